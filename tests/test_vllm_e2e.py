@@ -1,0 +1,56 @@
+"""The default model runs in vLLM on CPU with the plugin loaded in its worker processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import E2E_LLM_KWARGS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir: Path):
+    from vllm import LLM
+
+    engine = LLM(model=str(default_model_dir), **E2E_LLM_KWARGS)
+    yield engine
+    del engine
+
+
+def _worker_plugin_state(worker) -> tuple[bool, str]:
+    import multiprocessing
+    import os
+
+    import vllm_clover.plugin
+
+    return vllm_clover.plugin.is_registered(), multiprocessing.current_process().name + \
+        f" iomp={'libiomp' in os.environ.get('LD_PRELOAD', '')}"
+
+
+def test_plugin_registered_in_worker_process(llm) -> None:
+    states = llm.collective_rpc(_worker_plugin_state)
+    assert states and all(registered for registered, _ in states), states
+    assert all("iomp=True" in where for _, where in states), states
+
+
+def test_chat_answers_capital_of_france(llm) -> None:
+    from vllm import SamplingParams
+
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24))
+    text = out[0].outputs[0].text
+    assert "Paris" in text, text
+
+
+def test_greedy_generate_is_deterministic_in_float32(llm) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)]
+    assert first == second[::-1]
+    assert all(len(t) == 16 for t in first)
