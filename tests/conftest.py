@@ -39,3 +39,8 @@ def venv_bin(name: str) -> str:
 
 E2E_LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
                       max_model_len=2048)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an ``LLM``'s EngineCore/worker processes now, not at interpreter exit."""
+    llm.llm_engine.engine_core.shutdown()

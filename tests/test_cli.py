@@ -42,3 +42,12 @@ def test_patch_catalogue_lists_why_and_removal() -> None:
     text = patches.describe()
     for p in patches.CATALOGUE:
         assert p.name in text and p.why and p.remove_when
+
+
+def test_serve_model_positional_is_not_confused_with_flag_values(monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(cli, "_cmd_serve", lambda args, extra: seen.update(m=args.model, x=extra))
+    cli.main(["serve", "--max-model-len", "2048"])
+    assert seen == {"m": None, "x": ["--max-model-len", "2048"]}
+    cli.main(["serve", "/models/x", "--max-model-len", "2048"])
+    assert seen == {"m": "/models/x", "x": ["--max-model-len", "2048"]}

@@ -6,18 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import E2E_LLM_KWARGS
+from tests.conftest import E2E_LLM_KWARGS, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir: Path):
+    import os
+
     from vllm import LLM
 
+    # collective_rpc with a plain function needs pickle; test-only.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     engine = LLM(model=str(default_model_dir), **E2E_LLM_KWARGS)
     yield engine
-    del engine
+    shutdown_llm(engine)
 
 
 def _worker_plugin_state(worker) -> tuple[bool, str]:

@@ -26,9 +26,9 @@ DEFAULT_PORT = 8000
 
 def _vllm_main(argv: list[str]) -> None:
     """Hand ``argv`` to vLLM's CLI in this process, after the metadata alias is in place."""
-    from vllm_clover import _vllm_dist_alias
+    import vllm_clover_dist_alias
 
-    _vllm_dist_alias.install()
+    vllm_clover_dist_alias.install()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_prepare_model)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (extra flags go to `vllm serve`)")
-    p.add_argument("model", nargs="?", default=None,
+    # The model is a leading positional (`vllm-clover serve [MODEL] ...`), taken out in
+    # main(): argparse would otherwise bind it to any value of a pass-through flag.
+    p.add_argument("--model", default=None,
                    help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         _vllm_main(argv[1:])
         return
     parser = build_parser()
+    if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
+        argv = ["serve", "--model", argv[1], *argv[2:]]
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

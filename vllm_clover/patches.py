@@ -24,9 +24,9 @@ class Patch:
 
 
 def _install_dist_alias() -> None:
-    from vllm_clover import _vllm_dist_alias
+    import vllm_clover_dist_alias
 
-    _vllm_dist_alias.install()
+    vllm_clover_dist_alias.install()
 
 
 CATALOGUE: list[Patch] = [

