@@ -79,6 +79,10 @@ def run_case(name: str) -> None:
         prompt = {"prompt_token_ids": list(range(100, 100 + n))}
         llm.generate([prompt], params, use_tqdm=False)
         print(f"PROBE_OK {n}", flush=True)
+    # All short prompts in one batch too (mixed query lengths in one kernel call).
+    llm.generate([{"prompt_token_ids": list(range(100, 100 + n))} for n in range(1, 13)],
+                 params, use_tqdm=False)
+    print("PROBE_OK 0", flush=True)
 
 
 def main() -> None:
@@ -95,7 +99,8 @@ def main() -> None:
                               capture_output=True, text=True, env=os.environ.copy())
         ok = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PROBE_OK")]
         died = "SIGILL" if "SIGILL" in proc.stderr or proc.returncode == -4 else ""
-        tail = "" if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1:]  # last error line
+        errors = [l.strip() for l in proc.stderr.splitlines() if "Error" in l or "SIGILL" in l]
+        tail = "" if proc.returncode == 0 else errors[-1:]
         print(f"{name:22s} rc={proc.returncode:4d} {died:6s} ok_lengths={ok} "
               f"({time.time() - t0:.0f}s) {tail}", flush=True)
 

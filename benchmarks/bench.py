@@ -1,0 +1,339 @@
+"""Side-by-side speculative-decoding benchmark: vanilla, ngram, medusa, eagle, clover.
+
+For every method and batch size it runs vLLM on the same prompts with the same settings,
+alternating methods and repeating to spread machine noise, and reports per
+(method, batch size): output tokens/s, mean acceptance length (tokens per step, bonus
+token included), acceptance rate per draft position, and speedup over ``vanilla`` from
+the same run.
+
+    vllm-clover bench --methods vanilla,ngram,clover:vllm_clover/heads/smollm2-135m-instruct-clover2 \
+        --batch-sizes 1,8,32 --prompts mtbench --max-tokens 256 --output result.json --plot plots/
+
+Method syntax: ``NAME[:PATH][@K]`` (``@K`` overrides ``--num-speculative-tokens`` for that
+method), e.g. ``ngram@4``, ``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``.
+
+How it measures (conditions are written into the JSON):
+- Each (method, repeat) runs in a fresh subprocess with one ``LLM`` (``max_num_seqs`` = the
+  largest batch size), so methods never share process state or Prometheus counters.
+- Batch size ``b``: the prompts are submitted in waves of ``b`` concurrent requests; tokens/s
+  = generated tokens / wall time over all waves (prefill included; one warm-up wave first).
+- Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch
+  size: mean acceptance length = 1 + accepted / drafts; per-position rate = accepted at
+  position i / drafts.
+
+Output schema (``--output``)::
+
+    {"conditions": {"model", "dtype", "max_tokens", "temperature", "prompt_set", "num_prompts",
+                    "repeats", "machine", "vllm", "torch_threads", "date"},
+     "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
+                  "acceptance_per_position", "speedup_vs_vanilla",
+                  "tokens_per_s_runs", "num_speculative_tokens", "checkpoint"}]}
+
+``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them);
+``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("vanilla", "ngram", "medusa", "eagle", "clover")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str  # as given on the command line
+    name: str
+    path: str | None
+    k: int | None
+
+
+def parse_method(text: str) -> MethodSpec:
+    """``NAME[:PATH][@K]`` -> MethodSpec; a clear error for anything else."""
+    body, _, k = text.partition("@")
+    name, _, path = body.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} in {text!r}; choose from {', '.join(METHODS)}")
+    if name in ("medusa", "eagle", "clover") and not path:
+        raise ValueError(f"method {name!r} needs a checkpoint path: {name}:PATH")
+    if name in ("vanilla", "ngram") and path:
+        raise ValueError(f"method {name!r} takes no checkpoint path (got {path!r})")
+    if k and not k.isdigit():
+        raise ValueError(f"bad speculative token count {k!r} in {text!r}")
+    return MethodSpec(text, name, path or None, int(k) if k else None)
+
+
+def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
+    """The ``speculative_config`` dict vLLM gets for a method (None for vanilla)."""
+    if spec.name == "vanilla":
+        return None
+    k = spec.k or default_k
+    if spec.name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k,
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return {"method": spec.name, "model": spec.path, "num_speculative_tokens": k}
+
+
+def load_prompts(source: str, num_prompts: int) -> tuple[list[dict], str]:
+    """Records with ``turns`` (chat, first turn) or ``prompt`` (raw text).
+
+    ``mtbench`` = MT-Bench questions; ``sharegpt-heldout`` = first user turns of the fixed
+    held-out ShareGPT slice (never trained on); anything else is a JSONL file.
+    """
+    from vllm_clover import data
+
+    if source == "mtbench":
+        records = [{"turns": q["turns"]} for q in data.load_mtbench()]
+    elif source == "sharegpt-heldout":
+        _, heldout = data.split_heldout(data.load_sharegpt())
+        records = [{"turns": [c.messages[0]["content"]]} for c in heldout]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {source} does not exist")
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for i, r in enumerate(records):
+            if not (isinstance(r.get("turns"), list) and r["turns"]) and not isinstance(r.get("prompt"), str):
+                raise ValueError(f"{source}:{i + 1}: record needs 'turns' (non-empty list) or 'prompt'")
+    if len(records) < num_prompts:
+        raise ValueError(f"prompt set {source} has {len(records)} prompts, {num_prompts} requested")
+    return records[:num_prompts], source
+
+
+def render_prompts(records: list[dict], tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
+                                          tokenize=False, add_generation_prompt=True)
+            if "turns" in r else r["prompt"] for r in records]
+
+
+def _spec_counters(llm) -> dict[str, object]:
+    wanted = {"vllm:spec_decode_num_drafts": "drafts",
+              "vllm:spec_decode_num_accepted_tokens": "accepted",
+              "vllm:spec_decode_num_accepted_tokens_per_pos": "per_pos"}
+    out: dict[str, object] = {"drafts": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in wanted:
+            out[wanted[m.name]] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
+    """Inside the subprocess: one LLM, every batch size."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_clover.default_model import ensure_default_model
+
+    model = args.model or str(ensure_default_model(verbose=False))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(model=model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+              kv_cache_memory_bytes=args.kv_cache_gib << 30, max_model_len=args.max_model_len,
+              max_num_seqs=max(batch_sizes), disable_log_stats=False, seed=0,
+              speculative_config=speculative_config(spec, args.num_speculative_tokens))
+    records, _ = load_prompts(args.prompts, args.num_prompts)
+    prompts = render_prompts(records, llm.get_tokenizer())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
+    rows = []
+    for b in batch_sizes:
+        before = _spec_counters(llm)
+        t0, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), b):
+            outs = llm.generate(prompts[i:i + b], params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        elapsed = time.perf_counter() - t0
+        after = _spec_counters(llm)
+        drafts = after["drafts"] - before["drafts"]
+        accepted = after["accepted"] - before["accepted"]
+        per_pos = [a - b_ for a, b_ in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+        rows.append({"method": spec.label, "batch_size": b, "tokens_per_s": tokens / elapsed,
+                     "tokens": tokens, "seconds": elapsed,
+                     "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+                     "acceptance_per_position": [p / drafts for p in per_pos] if drafts else []})
+    return rows
+
+
+def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> list[dict]:
+    """Mean over repeats per (method, batch size), plus speedup vs vanilla of the same run."""
+    results = []
+    for spec in methods:
+        for b in sorted({r["batch_size"] for r in runs}):
+            mine = [r for r in runs if r["method"] == spec.label and r["batch_size"] == b]
+            if not mine:
+                continue
+            tps = [r["tokens_per_s"] for r in mine]
+            npos = max(len(r["acceptance_per_position"]) for r in mine)
+            results.append({
+                "method": spec.label, "batch_size": b,
+                "tokens_per_s": sum(tps) / len(tps), "tokens_per_s_runs": tps,
+                "mean_acceptance_length": sum(r["mean_acceptance_length"] for r in mine) / len(mine),
+                "acceptance_per_position": [
+                    sum(r["acceptance_per_position"][i] for r in mine if len(r["acceptance_per_position"]) > i)
+                    / len(mine) for i in range(npos)],
+                "num_speculative_tokens": None if spec.name == "vanilla" else (spec.k or default_k),
+                "checkpoint": spec.path,
+            })
+    for r in results:
+        base = [v for v in results if v["method"].split(":")[0].split("@")[0] == "vanilla"
+                and v["batch_size"] == r["batch_size"]]
+        r["speedup_vs_vanilla"] = r["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
+    return results
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'method':40s} {'batch':>5s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s}  per-position")
+    for r in results:
+        sp = f"{r['speedup_vs_vanilla']:.2f}x" if r["speedup_vs_vanilla"] else "-"
+        pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
+        print(f"{r['method'][:40]:40s} {r['batch_size']:5d} {r['tokens_per_s']:8.1f} {sp:>8s} "
+              f"{r['mean_acceptance_length']:10.2f}  {pos}")
+
+
+def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    note = (f"{conditions['model_name']}, {conditions['dtype']}, {conditions['prompt_set']} "
+            f"x{conditions['num_prompts']}, {conditions['max_tokens']} new tokens, T={conditions['temperature']}, "
+            f"{conditions['cpus']} CPUs")
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in methods:
+        rows = [r for r in results if r["method"] == m]
+        ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
+                label=m.split("/")[-1] if "/" in m else m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput by batch size", fontsize=11)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.text(0.01, 0.01, note, fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    paths = [out_dir / "throughput.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    b0 = min(r["batch_size"] for r in results)
+    for m in methods:
+        row = [r for r in results if r["method"] == m and r["batch_size"] == b0]
+        if row and row[0]["acceptance_per_position"]:
+            acc = row[0]["acceptance_per_position"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m.split("/")[-1] if "/" in m else m)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (per draft)")
+    ax.set_title(f"Acceptance per draft position (batch {b0})", fontsize=11)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.text(0.01, 0.01, note, fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    paths.append(out_dir / "acceptance.png")
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vllm-clover bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="vanilla,ngram", help="comma list of NAME[:PATH][@K]")
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt-heldout | FILE.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="target model dir (default: the embedded model)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    ap.add_argument("--output", type=Path)
+    ap.add_argument("--plot", type=Path, help="directory for PNG charts")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one method
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        rows = run_method(args, parse_method(args.worker))
+        print("BENCH_ROWS " + json.dumps(rows), flush=True)
+        return
+    try:
+        methods = [parse_method(m) for m in args.methods.split(",") if m]
+        load_prompts(args.prompts, args.num_prompts)  # fail fast, before any engine starts
+        for spec in methods:
+            if spec.path and not Path(spec.path).is_dir():
+                raise FileNotFoundError(f"{spec.label}: checkpoint directory {spec.path} does not exist")
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"vllm-clover bench: error: {exc}")
+    argv = sys.argv[1:] if argv is None else argv
+    runs: list[dict] = []
+    for rep in range(args.repeats):
+        # Alternate the order each repeat so slow drifts of the machine hit every method.
+        for spec in (methods if rep % 2 == 0 else methods[::-1]):
+            cmd = [sys.executable, "-m", "benchmarks.bench", *argv, "--worker", spec.label]
+            t0 = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [l for l in proc.stdout.splitlines() if l.startswith("BENCH_ROWS ")]
+            if proc.returncode != 0 or not line:
+                sys.exit(f"vllm-clover bench: {spec.label} failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+            rows = json.loads(line[0][len("BENCH_ROWS "):])
+            runs += rows
+            print(f"[repeat {rep}] {spec.label}: " + ", ".join(
+                f"b{r['batch_size']} {r['tokens_per_s']:.1f} tok/s (acc len {r['mean_acceptance_length']:.2f})"
+                for r in rows) + f"  [{time.time() - t0:.0f}s]", flush=True)
+    results = aggregate(runs, methods, args.num_speculative_tokens)
+    print_table(results)
+    conditions = conditions_dict(args)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"conditions": conditions, "results": results}, indent=1))
+        print(f"wrote {args.output}")
+    if args.plot:
+        for p in plot(results, args.plot, conditions):
+            print(f"wrote {p}")
+
+
+def conditions_dict(args: argparse.Namespace) -> dict:
+    import vllm
+
+    from vllm_clover.default_model import DEFAULT_MODEL_NAME
+
+    return {"model": args.model or DEFAULT_MODEL_NAME,
+            "model_name": Path(args.model).name if args.model else DEFAULT_MODEL_NAME,
+            "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "prompt_set": args.prompts, "num_prompts": args.num_prompts, "repeats": args.repeats,
+            "enforce_eager": args.enforce_eager,
+            "machine": f"{platform.machine()} {_cpu_model()}", "cpus": os.cpu_count(),
+            "vllm": vllm.__version__, "date": _dt.date.today().isoformat()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

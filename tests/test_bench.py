@@ -1,0 +1,72 @@
+"""The benchmark harness's pure parts: method parsing, configs, aggregation, prompt files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench
+
+
+def test_parse_method_forms() -> None:
+    assert bench.parse_method("vanilla") == bench.MethodSpec("vanilla", "vanilla", None, None)
+    assert bench.parse_method("ngram@3") == bench.MethodSpec("ngram@3", "ngram", None, 3)
+    assert bench.parse_method("clover:/h/x@5") == bench.MethodSpec("clover:/h/x@5", "clover", "/h/x", 5)
+
+
+@pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("clover", "needs a checkpoint"),
+                                      ("ngram:/x", "takes no checkpoint"), ("ngram@x", "bad speculative")])
+def test_parse_method_errors(bad: str, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        bench.parse_method(bad)
+
+
+def test_speculative_configs() -> None:
+    assert bench.speculative_config(bench.parse_method("vanilla"), 4) is None
+    assert bench.speculative_config(bench.parse_method("ngram"), 4)["num_speculative_tokens"] == 4
+    cfg = bench.speculative_config(bench.parse_method("clover:/h@2"), 4)
+    assert cfg == {"method": "clover", "model": "/h", "num_speculative_tokens": 2}
+
+
+def test_aggregate_means_and_speedup() -> None:
+    methods = [bench.parse_method("vanilla"), bench.parse_method("ngram@2")]
+    runs = [
+        {"method": "vanilla", "batch_size": 1, "tokens_per_s": 10.0, "mean_acceptance_length": 1.0,
+         "acceptance_per_position": []},
+        {"method": "vanilla", "batch_size": 1, "tokens_per_s": 14.0, "mean_acceptance_length": 1.0,
+         "acceptance_per_position": []},
+        {"method": "ngram@2", "batch_size": 1, "tokens_per_s": 24.0, "mean_acceptance_length": 2.0,
+         "acceptance_per_position": [0.6, 0.4]},
+        {"method": "ngram@2", "batch_size": 1, "tokens_per_s": 18.0, "mean_acceptance_length": 1.8,
+         "acceptance_per_position": [0.5, 0.3]},
+    ]
+    res = {r["method"]: r for r in bench.aggregate(runs, methods, 4)}
+    assert res["vanilla"]["tokens_per_s"] == 12.0 and res["vanilla"]["speedup_vs_vanilla"] == 1.0
+    assert res["ngram@2"]["speedup_vs_vanilla"] == pytest.approx(21.0 / 12.0)
+    assert res["ngram@2"]["acceptance_per_position"] == pytest.approx([0.55, 0.35])
+    assert res["ngram@2"]["mean_acceptance_length"] == pytest.approx(1.9)
+    assert res["ngram@2"]["num_speculative_tokens"] == 2
+    for key in ("method", "batch_size", "tokens_per_s", "mean_acceptance_length",
+                "acceptance_per_position", "speedup_vs_vanilla"):
+        assert key in res["ngram@2"]
+
+
+def test_prompt_file_validation(tmp_path) -> None:
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"turns": ["hi"]}) + "\n" + json.dumps({"prompt": "raw"}) + "\n")
+    records, _ = bench.load_prompts(str(good), 2)
+    assert records == [{"turns": ["hi"]}, {"prompt": "raw"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        bench.load_prompts(str(bad), 1)
+    with pytest.raises(ValueError, match="2 prompts, 5 requested"):
+        bench.load_prompts(str(good), 5)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        bench.load_prompts(str(tmp_path / "missing.jsonl"), 1)
+
+
+def test_builtin_prompt_sets() -> None:
+    records, _ = bench.load_prompts("mtbench", 80)
+    assert len(records) == 80 and all(r["turns"] for r in records)
