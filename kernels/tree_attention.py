@@ -1,0 +1,202 @@
+"""Tree attention over a paged KV cache: PyTorch reference and Triton kernel.
+
+Layout (vLLM's FlashAttention layout, one layer; ``kv_cache[0]`` / ``kv_cache[1]``):
+
+    q            [B, Q, Hq, D]          query rows of each request's tree, BFS order (Q = N+1)
+    key_cache    [num_blocks, block_size, Hkv, D]
+    value_cache  [num_blocks, block_size, Hkv, D]
+    block_table  [B, max_blocks] int32  logical block -> physical block
+    seq_lens     [B] int32              prefix length before the tree (= root position)
+    tree_mask    [B, Q, Q] or [Q, Q] bool   [b, i, j]: node j is an ancestor of i or i
+    out          [B, Q, Hq, D]
+
+Row i of request b attends to logical positions ``0 .. seq_lens[b]-1`` (the prefix) and
+to ``seq_lens[b] + j`` for every j with ``tree_mask[b, i, j]``. The tree's own K/V must
+already be in the cache at those positions (node j at ``seq_lens[b] + j``, as vLLM's
+``reshape_and_cache`` writes them when slots follow the sequential positions). GQA: query
+head h reads KV head ``h // (Hq // Hkv)``. Both functions honour arbitrary strides, so a
+permuted view of another layout (e.g. the CPU ``[blocks, Hkv, block_size, ...]`` cache)
+can be passed without a copy. Softmax runs in float32; no ALiBi, soft-cap or window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+try:  # Triton is optional: the reference is the CPU path.
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install (ImportError, driver errors)
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def _check(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+           seq_lens: Tensor, tree_mask: Tensor) -> Tensor:
+    """Validate shapes and return tree_mask as [B, Q, Q] (a view when given [Q, Q])."""
+    b, nq, hq, d = q.shape
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("key/value caches must both be [num_blocks, block_size, Hkv, D]")
+    if key_cache.shape[-1] != d or hq % key_cache.shape[2] != 0:
+        raise ValueError("head_dim mismatch, or Hq not a multiple of Hkv")
+    if block_table.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError("block_table [B, max_blocks] and seq_lens [B] must match q's batch")
+    if tree_mask.dim() == 2:
+        tree_mask = tree_mask.expand(b, nq, nq)
+    if tree_mask.shape != (b, nq, nq):
+        raise ValueError(f"tree_mask must be [B, Q, Q] or [Q, Q], got {tuple(tree_mask.shape)}")
+    block_size = key_cache.shape[1]
+    need = (int(seq_lens.max()) + nq + block_size - 1) // block_size if b else 0
+    if need > block_table.shape[1]:
+        raise ValueError("block_table too short for seq_lens + tree rows")
+    return tree_mask
+
+
+def gather_paged(cache: Tensor, block_table_row: Tensor, length: int) -> Tensor:
+    """Rows ``0..length-1`` of one sequence: cache [NB, BS, H, D] -> [length, H, D]."""
+    bs = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    blk = block_table_row.long()[pos // bs]
+    return cache[blk, pos % bs]
+
+
+def tree_attention_ref(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                       seq_lens: Tensor, tree_mask: Tensor, scale: float | None = None) -> Tensor:
+    """Readable reference (a loop over requests). Shapes: module docstring."""
+    tree_mask = _check(q, key_cache, value_cache, block_table, seq_lens, tree_mask)
+    b, nq, hq, d = q.shape
+    group = hq // key_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    for i in range(b):
+        s = int(seq_lens[i])
+        k = gather_paged(key_cache, block_table[i], s + nq).float().repeat_interleave(group, dim=1)
+        v = gather_paged(value_cache, block_table[i], s + nq).float().repeat_interleave(group, dim=1)
+        allowed = torch.cat((torch.ones(nq, s, dtype=torch.bool, device=q.device),
+                             tree_mask[i].bool()), dim=1)  # [Q, s + Q]
+        logits = torch.einsum("qhd,khd->hqk", q[i].float(), k) * scale
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        out[i] = torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v).to(q.dtype)
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tree_attn_kernel(
+        Q, K, V, O, BT, SL, M,
+        sqb, sqq, sqh, sqd,
+        skb, sks, skh, skd,
+        svb, svs, svh, svd,
+        sob, soq, soh, sod,
+        sbb, sbn,
+        smb, smi, smj,
+        scale, num_q, head_dim, page,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        # One program: request b, query head h, a block of BLOCK_Q tree rows.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = h // GROUP
+        offs_q = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        q_ok = offs_q < num_q
+        d_ok = offs_d < head_dim
+        q = tl.load(Q + b * sqb + offs_q[:, None] * sqq + h * sqh + offs_d[None, :] * sqd,
+                    mask=q_ok[:, None] & d_ok[None, :], other=0.0)
+        seq_len = tl.load(SL + b)
+        # Online softmax state; a finite "minus infinity" keeps fully masked tiles NaN-free.
+        m_i = tl.full([BLOCK_Q], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+
+        # Phase 1: the paged prefix, visible to every tree row.
+        for start in range(0, seq_len, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            p_ok = pos < seq_len
+            blk = tl.load(BT + b * sbb + (pos // page) * sbn, mask=p_ok, other=0).to(tl.int64)
+            off = pos % page
+            kv_mask = p_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + blk[:, None] * skb + off[:, None] * sks + kvh * skh + offs_d[None, :] * skd,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + blk[:, None] * svb + off[:, None] * svs + kvh * svh + offs_d[None, :] * svd,
+                        mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(p_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        # Phase 2: the tree rows themselves, under the ancestor mask.
+        for tstart in range(0, num_q, BLOCK_T):
+            j = tstart + tl.arange(0, BLOCK_T)
+            j_ok = j < num_q
+            pos = seq_len + j
+            blk = tl.load(BT + b * sbb + (pos // page) * sbn, mask=j_ok, other=0).to(tl.int64)
+            off = pos % page
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + blk[:, None] * skb + off[:, None] * sks + kvh * skh + offs_d[None, :] * skd,
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + blk[:, None] * svb + off[:, None] * svs + kvh * svh + offs_d[None, :] * svd,
+                        mask=kv_mask, other=0.0)
+            allow = tl.load(M + b * smb + offs_q[:, None] * smi + j[None, :] * smj,
+                            mask=q_ok[:, None] & j_ok[None, :], other=0) != 0
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(allow, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(O + b * sob + offs_q[:, None] * soq + h * soh + offs_d[None, :] * sod,
+                 out.to(O.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
+
+
+def tree_attention_triton(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                          seq_lens: Tensor, tree_mask: Tensor, scale: float | None = None,
+                          block_n: int = 32) -> Tensor:
+    """Triton kernel, same contract as :func:`tree_attention_ref`.
+
+    Grid ``(B, Hq, ceil(Q / 16))``; each program streams the prefix in tiles of ``block_n``
+    positions (any tile size: every key row is looked up through the block table, so tiles
+    need not align with KV blocks) and then the tree tiles under the mask. On CPU tensors
+    it needs ``TRITON_INTERPRET=1`` set before ``kernels`` is imported.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use tree_attention_ref")
+    tree_mask = _check(q, key_cache, value_cache, block_table, seq_lens, tree_mask)
+    b, nq, hq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(q)
+    if b == 0 or nq == 0:
+        return out
+    mask = tree_mask if tree_mask.dtype == torch.int8 else tree_mask.to(torch.int8)
+    bt = block_table.to(torch.int32)
+    sl = seq_lens.to(torch.int32)
+    block_q = 16  # tl.dot needs >= 16 on every dimension
+    block_t = max(16, triton.next_power_of_2(min(nq, 64)))
+    block_d = max(16, triton.next_power_of_2(d))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (b, hq, triton.cdiv(nq, block_q))
+    _tree_attn_kernel[grid](
+        q, key_cache, value_cache, out, bt, sl, mask,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+        *bt.stride(), *mask.stride(),
+        scale, nq, d, key_cache.shape[1],
+        GROUP=hq // key_cache.shape[2], BLOCK_Q=block_q, BLOCK_N=max(16, block_n),
+        BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision,
+    )
+    return out
