@@ -44,3 +44,33 @@ E2E_LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes
 def shutdown_llm(llm) -> None:
     """Stop an ``LLM``'s EngineCore/worker processes now, not at interpreter exit."""
     llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def clover_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Clover-2 checkpoint for the default target.
+
+    Trained heads shipped under vllm_clover/heads/<name>/ are used when one fits the
+    target; otherwise a drafter is initialised from the target (build_drafter: Aug layers
+    copied from its last layer, untrained heads) and saved in float32. Acceptance is then
+    low, but losslessness must hold whatever the heads are.
+    """
+    import torch
+    import transformers
+
+    import vllm_clover
+    from vllm_clover.checkpoint import CloverCheckpointError, save_drafter, validate_checkpoint
+    from vllm_clover.config import CloverConfig
+    from vllm_clover.model import build_drafter
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    for cfg_file in sorted((Path(vllm_clover.__file__).parent / "heads").glob("*/config.json")):
+        try:
+            validate_checkpoint(cfg_file.parent, hf.config)
+            return cfg_file.parent
+        except CloverCheckpointError:
+            continue
+    out = tmp_path_factory.mktemp("clover-ckpt")
+    config = CloverConfig.from_target_config(hf.config, num_heads=4)
+    save_drafter(out, build_drafter(config, target=hf), dtype=torch.float32)
+    return out

@@ -106,6 +106,75 @@ def load_config(directory: str | os.PathLike) -> CloverConfig:
         raise CloverCheckpointError(str(exc)) from None
 
 
+def validate_checkpoint(directory: str | os.PathLike, target_config: Any = None) -> CloverConfig:
+    """Cheap, complete start-up check of a checkpoint without reading its tensors.
+
+    Reads ``config.json`` and only the header of ``model.safetensors``: the file must be
+    as long as its header says (catches truncation), and hold exactly the tensor names and
+    shapes that ``config.json`` implies. ``target_config`` (HF config or mapping): refuse a
+    hidden_size / vocab_size mismatch. Returns the checkpoint's config. Used by the front
+    end before vLLM spawns engine processes, so users get one line instead of a worker
+    traceback. Raises :class:`CloverCheckpointError`.
+    """
+    directory = Path(directory)
+    config = load_config(directory)
+    if target_config is not None:
+        problem = config.target_mismatch(target_config)
+        if problem:
+            raise CloverCheckpointError(f"checkpoint {directory} {problem}")
+    path = directory / WEIGHTS_NAME
+    shapes = _safetensors_header_shapes(path)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in CloverDrafter(config).state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing:
+        raise CloverCheckpointError(f"{path}: missing key(s) {_short(missing)}")
+    if unexpected:
+        raise CloverCheckpointError(f"{path}: unexpected key(s) {_short(unexpected)}")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise CloverCheckpointError(
+                f"{path}: tensor {name} has shape {shapes[name]}, config.json implies {shape}")
+    return config
+
+
+def _safetensors_header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header; checks the file is not truncated."""
+    if not path.is_file():
+        raise CloverCheckpointError(f"{path}: missing")
+    size = path.stat().st_size
+    corrupt = f"{path}: truncated or corrupt safetensors file"
+    try:
+        with open(path, "rb") as fh:
+            raw_len = fh.read(8)
+            if len(raw_len) != 8:
+                raise CloverCheckpointError(f"{corrupt} (only {size} bytes)")
+            header_len = int.from_bytes(raw_len, "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise CloverCheckpointError(f"{corrupt} (header length {header_len}, file {size} bytes)")
+            header = json.loads(fh.read(header_len))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        detail = " ".join(str(exc).split())
+        raise CloverCheckpointError(f"{corrupt} ({detail})") from None
+    if not isinstance(header, dict):
+        raise CloverCheckpointError(f"{corrupt} (header is not an object)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    data_end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shapes[name] = tuple(int(d) for d in info["shape"])
+            data_end = max(data_end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise CloverCheckpointError(f"{corrupt} (bad header entry for {name!r})") from None
+    if 8 + header_len + data_end > size:
+        raise CloverCheckpointError(
+            f"{corrupt} (needs {8 + header_len + data_end} bytes, file has {size})")
+    return shapes
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CloverCheckpointError(f"{path}: missing")

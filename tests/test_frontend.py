@@ -1,0 +1,217 @@
+"""Front end: Clover spellings are translated to vLLM's medusa slot, bad input fails
+fast (before any engine process is spawned) with one readable line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_clover.checkpoint import CloverCheckpointError
+from vllm_clover.frontend import CloverSpecError
+
+
+def _engine_config(model_dir: Path, spec: dict, **kw):
+    """What LLM(...) and `vllm serve` run in the front-end process, minus the engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=512,
+                      speculative_config=spec, **kw)
+    return args, args.create_engine_config()
+
+
+def _one_line_error(excinfo: pytest.ExceptionInfo, *needles: str) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+@pytest.fixture
+def ckpt_copy(clover_ckpt_dir: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(clover_ckpt_dir, dst)
+    return dst
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    path = directory / "config.json"
+    data = json.loads(path.read_text())
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path.write_text(json.dumps(data))
+
+
+# ============================================================================ translation
+@pytest.mark.parametrize("spec", [
+    {"method": "clover", "model": "{dir}", "num_speculative_tokens": 3},
+    {"model": "clover:{dir}", "num_speculative_tokens": 3},
+    {"method": "clover", "model": "clover:{dir}", "num_speculative_tokens": 3, "draft_sampling": "greedy"},
+])
+def test_clover_spec_becomes_medusa_with_clover_options(default_model_dir, clover_ckpt_dir, spec) -> None:
+    spec = {k: v.format(dir=clover_ckpt_dir) if isinstance(v, str) else v for k, v in spec.items()}
+    _, config = _engine_config(default_model_dir, spec)
+    sc = config.speculative_config
+    assert sc.method == "medusa" and sc.num_speculative_tokens == 3
+    assert Path(sc.model) == clover_ckpt_dir.resolve()
+    assert sc.draft_model_config.hf_config.architectures == ["CloverForSpeculativeDecoding"]
+    opts = config.additional_config["clover"]
+    assert opts["draft_sampling"] == spec.get("draft_sampling", "sample")
+    from vllm_clover.frontend import is_clover_vllm_config
+
+    assert is_clover_vllm_config(config)
+
+
+def test_k_defaults_to_checkpoint_heads(default_model_dir, clover_ckpt_dir) -> None:
+    from vllm_clover.checkpoint import load_config
+
+    _, config = _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir)})
+    assert config.speculative_config.num_speculative_tokens == load_config(clover_ckpt_dir).num_heads
+
+
+def test_cli_flags_translate(default_model_dir, clover_ckpt_dir) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", str(default_model_dir), "--dtype", "float32", "--max-model-len", "512",
+                            "--speculative-model", f"clover:{clover_ckpt_dir}",
+                            "--num-speculative-tokens", "2"])
+    config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+    assert config.speculative_config.method == "medusa"
+    assert config.speculative_config.num_speculative_tokens == 2
+
+
+def test_non_clover_speculation_is_untouched(default_model_dir) -> None:
+    _, config = _engine_config(default_model_dir, {"method": "ngram", "num_speculative_tokens": 2,
+                                                    "prompt_lookup_max": 3})
+    assert config.speculative_config.method == "ngram"
+    assert "clover" not in (config.additional_config or {})
+
+
+# ============================================================================ start-up errors
+def test_cli_rejects_clover_prefix_without_path(capsys) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--speculative-model", "clover:"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--speculative-model" in err and "no checkpoint directory" in err
+
+
+def test_empty_clover_path(default_model_dir) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"model": "clover:", "num_speculative_tokens": 2})
+    _one_line_error(excinfo, "no checkpoint directory")
+
+
+def test_missing_directory(default_model_dir, tmp_path) -> None:
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(tmp_path / "nope")})
+    _one_line_error(excinfo, "does not exist", "nope")
+
+
+def test_missing_weights(default_model_dir, ckpt_copy) -> None:
+    (ckpt_copy / "model.safetensors").unlink()
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(ckpt_copy)})
+    _one_line_error(excinfo, "model.safetensors", "missing")
+
+
+def test_truncated_weights(default_model_dir, ckpt_copy) -> None:
+    path = ckpt_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(ckpt_copy)})
+    _one_line_error(excinfo, "model.safetensors", "truncated or corrupt")
+
+
+def test_corrupt_weights_header(default_model_dir, ckpt_copy) -> None:
+    (ckpt_copy / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(ckpt_copy)})
+    _one_line_error(excinfo, "truncated or corrupt")
+
+
+def test_checkpoint_for_another_target_hidden_size(default_model_dir, tmp_path) -> None:
+    from vllm_clover.checkpoint import save_drafter
+    from vllm_clover.config import CloverConfig
+    from vllm_clover.model import CloverDrafter
+
+    cfg = CloverConfig(hidden_size=64, vocab_size=49152, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=128, num_heads=3)
+    save_drafter(tmp_path / "other", CloverDrafter(cfg), dtype=torch.float32)
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(tmp_path / "other")})
+    _one_line_error(excinfo, "hidden_size 64", "target has 576")
+
+
+def test_checkpoint_for_another_target_vocab(default_model_dir, ckpt_copy) -> None:
+    _edit_config(ckpt_copy, vocab_size=32000)
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(ckpt_copy)})
+    _one_line_error(excinfo, "vocab_size 32000", "target has 49152")
+
+
+def test_unknown_variant(default_model_dir, ckpt_copy) -> None:
+    _edit_config(ckpt_copy, clover__variant="clover3")
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(ckpt_copy)})
+    _one_line_error(excinfo, "unknown variant 'clover3'")
+
+
+def test_k_larger_than_heads(default_model_dir, clover_ckpt_dir) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                           "num_speculative_tokens": 99})
+    _one_line_error(excinfo, "num_speculative_tokens=99", "heads")
+
+
+def test_unknown_clover_option_value(default_model_dir, clover_ckpt_dir) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                           "draft_sampling": "beam"})
+    _one_line_error(excinfo, "draft_sampling='beam'")
+
+
+def test_llm_constructor_fails_in_front_end(default_model_dir, tmp_path) -> None:
+    """LLM(...) raises the checkpoint error itself, before spawning EngineCore."""
+    import multiprocessing
+
+    from vllm import LLM
+
+    with pytest.raises(CloverCheckpointError) as excinfo:
+        LLM(model=str(default_model_dir), dtype="float32", max_model_len=512,
+            speculative_config={"method": "clover", "model": str(tmp_path / "missing")})
+    _one_line_error(excinfo, "does not exist")
+    assert not multiprocessing.active_children()
+
+
+# ============================================================================ trunk inputs
+def test_trunk_inputs_eagle_shift() -> None:
+    """Three requests in one step: a decode with 2 drafts (1 accepted), a full prefill
+    with 2 prefix-cached tokens, and a partial prefill chunk."""
+    from vllm_clover.proposer import trunk_inputs
+
+    tokens = torch.zeros(3, 16, dtype=torch.int32)
+    tokens[0, :7] = torch.tensor([10, 11, 12, 13, 14, 15, 16])  # 4 old + accepted 15 + bonus 16
+    tokens[1, :6] = torch.tensor([20, 21, 22, 23, 24, 25])      # 5 prompt + sampled 25
+    tokens[2, :8] = torch.tensor([30, 31, 32, 33, 34, 35, 36, 37])  # 8-token prompt
+    num_tokens = torch.tensor([7, 6, 8])
+    # req0: 5 committed (pos 0-4), rows at pos 4 (token 14) and 5, 6 (drafts); 1 accepted.
+    positions = torch.tensor([4, 5, 6, 2, 3, 4, 0, 1, 2])
+    qsl = torch.tensor([0, 3, 6, 9])
+    y, last, first = trunk_inputs(tokens, num_tokens, positions, qsl)
+    assert y.tolist() == [15, 16, 0, 23, 24, 25, 31, 32, 33]
+    assert last.tolist() == [1, 5, 8]
+    assert first.tolist() == [16, 25, 37]

@@ -1,0 +1,49 @@
+"""Every vLLM touch point in the patch catalogue still has the shape the patch relies on.
+
+Each catalogue entry's ``check`` inspects the installed vLLM (signatures, attributes,
+source markers) without applying anything, so a vLLM upgrade fails here, loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_clover import patches
+
+
+@pytest.mark.parametrize("patch", [p for p in patches.CATALOGUE], ids=lambda p: p.name)
+def test_patch_target_still_matches_installed_vllm(patch: patches.Patch) -> None:
+    if patch.check is None:
+        pytest.skip(f"{patch.name} touches no vLLM object ({patch.target})")
+    patch.check()
+
+
+def test_every_vllm_patch_has_a_check_and_a_reason() -> None:
+    for patch in patches.CATALOGUE:
+        assert patch.why and patch.remove_when, patch.name
+        if patch.target.startswith("vllm."):
+            assert patch.check is not None, f"{patch.name} patches vLLM but has no check"
+
+
+def test_patches_are_installed_once() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patches.apply_all()
+    before = (EngineArgs.create_speculative_config, EngineArgs.__dict__["add_cli_args"],
+              GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids)
+    for patch in patches.CATALOGUE:  # applying again (e.g. a second plugin load) is a no-op
+        patch.apply()
+    after = (EngineArgs.create_speculative_config, EngineArgs.__dict__["add_cli_args"],
+             GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids)
+    assert before == after
+    assert all(getattr(f, "__vllm_clover_wrapped__", False) for f in (
+        EngineArgs.create_speculative_config, EngineArgs.add_cli_args,
+        GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids))
+
+
+def test_clover_architecture_is_registered() -> None:
+    from vllm import ModelRegistry
+
+    patches.apply_all()
+    assert "CloverForSpeculativeDecoding" in ModelRegistry.get_supported_archs()

@@ -1,0 +1,204 @@
+"""Front end: how users ask for Clover, and its translation into a method vLLM knows.
+
+Accepted spellings (all end up in ``EngineArgs.create_speculative_config``)::
+
+    vllm serve M --speculative-model clover:<dir> [--num-speculative-tokens K]
+    vllm serve M --speculative-config '{"method": "clover", "model": "<dir>", "num_speculative_tokens": K}'
+    vllm serve M --speculative-config '{"model": "clover:<dir>", ...}'
+    LLM(M, speculative_config={"method": "clover", "model": "<dir>", ...})
+
+vLLM's ``method`` is a closed pydantic Literal and is dispatched on in many places, so
+"clover" never reaches vLLM: the hook rewrites the request to ``method="medusa"`` with the
+Clover directory (whose config.json names our registered architecture), moves Clover-only
+options into ``additional_config["clover"]`` (``SpeculativeConfig`` forbids extra keys),
+and validates the checkpoint against the target *here*, in the front-end process, before
+any engine process is spawned: a bad path or checkpoint is one readable line, not a
+worker traceback. K defaults to the checkpoint's number of heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from vllm_clover.config import ARCHITECTURE
+
+PREFIX = "clover:"
+METHOD = "clover"
+# Clover-only options of --speculative-config / speculative_config (values: allowed set).
+# draft_sampling: "sample" draws drafts of temperature>0 requests from the heads'
+# temperature-scaled distributions and hands those to vLLM's rejection sampler;
+# "greedy" always drafts the heads' argmax (one-hot drafts). Both are lossless.
+OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
+DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample"}
+
+
+class CloverSpecError(ValueError):
+    """The Clover speculative-decoding request is malformed; one line saying why."""
+
+
+# ============================================================================ CLI flags
+def speculative_model_arg(value: str) -> str:
+    """argparse ``type`` of ``--speculative-model``: refuse ``clover:`` without a path."""
+    if value.startswith(PREFIX) and not value[len(PREFIX):].strip():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} has no checkpoint directory; expected clover:<path-to-clover-checkpoint>")
+    return value
+
+
+def add_clover_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--speculative-model`` / ``--num-speculative-tokens`` to an EngineArgs parser.
+
+    They reuse vLLM's own dests (``spec_model`` / ``spec_tokens``), so
+    ``EngineArgs.from_cli_args`` carries them through without a new dataclass field.
+    """
+    try:
+        parser.add_argument(
+            "--speculative-model", dest="spec_model", type=speculative_model_arg, default=None,
+            help="Draft model; 'clover:<dir>' selects Clover speculative decoding "
+                 "(vllm-clover). Same as --spec-model otherwise.")
+        parser.add_argument(
+            "--num-speculative-tokens", dest="spec_tokens", type=int, default=None,
+            help="Draft tokens per step (vllm-clover; same as --spec-tokens). "
+                 "Clover default: the checkpoint's number of heads.")
+    except argparse.ArgumentError:
+        pass  # this parser already has them (add_cli_args called twice on one parser)
+
+
+# ============================================================================ translation
+def is_clover_ref(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(PREFIX)
+
+
+def wants_clover(args: Any) -> bool:
+    """Does this EngineArgs ask for Clover through any of the accepted spellings?"""
+    spec = args.speculative_config if isinstance(args.speculative_config, dict) else {}
+    return (spec.get("method") == METHOD or is_clover_ref(spec.get("model"))
+            or is_clover_ref(args.spec_model) or args.spec_method == METHOD)
+
+
+def checkpoint_path(model: Any) -> Path:
+    """``clover:<dir>`` or ``<dir>`` -> absolute directory path (not yet checked)."""
+    if not isinstance(model, str) or not model.strip():
+        raise CloverSpecError(
+            "Clover speculative decoding needs a checkpoint directory: "
+            "--speculative-model clover:<dir> or speculative_config={'method': 'clover', 'model': '<dir>'}")
+    path = model[len(PREFIX):] if model.startswith(PREFIX) else model
+    if not path.strip():
+        raise CloverSpecError(
+            f"{model!r} has no checkpoint directory; expected clover:<path-to-clover-checkpoint>")
+    return Path(path).expanduser().resolve()
+
+
+def translate_engine_args(args: Any, target_model_config: Any) -> None:
+    """Rewrite a Clover request on ``args`` (EngineArgs) in place into vLLM's medusa form.
+
+    Raises CloverSpecError / CloverCheckpointError (both ValueError, one line each).
+    """
+    from vllm_clover.checkpoint import validate_checkpoint
+
+    spec = _merged_spec_dict(args)
+    method = spec.pop("method", METHOD)
+    if method != METHOD:
+        raise CloverSpecError(f"method {method!r} cannot be combined with a clover: model; "
+                              f"use method 'clover' or leave it out")
+    path = checkpoint_path(spec.pop("model", None))
+    options = dict(DEFAULT_OPTIONS)
+    for key in [k for k in spec if k in OPTIONS]:
+        value = spec.pop(key)
+        if value not in OPTIONS[key]:
+            raise CloverSpecError(f"clover option {key}={value!r} is invalid; expected one of {OPTIONS[key]}")
+        options[key] = value
+    config = validate_checkpoint(path, target_model_config.hf_text_config)
+    k = spec.pop("num_speculative_tokens", None)
+    if k is None:
+        k = config.num_heads
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise CloverSpecError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    if k > config.num_heads:
+        raise CloverSpecError(
+            f"num_speculative_tokens={k} is larger than the {config.num_heads} heads of "
+            f"Clover checkpoint {path}; use at most {config.num_heads}")
+    args.speculative_config = {"method": "medusa", "model": str(path), "num_speculative_tokens": k, **spec}
+    args.additional_config = {
+        **(args.additional_config or {}),
+        "clover": {**options, "checkpoint": str(path), "checkpoint_num_heads": config.num_heads,
+                   "variant": config.variant},
+    }
+
+
+def _merged_spec_dict(args: Any) -> dict[str, Any]:
+    """--speculative-config plus the --spec-*/--speculative-model flags, as vLLM merges them."""
+    raw = args.speculative_config
+    if raw is not None and not isinstance(raw, dict):
+        raise CloverSpecError(f"speculative_config must be a JSON object / dict, got {type(raw).__name__}")
+    spec = {k.replace("-", "_"): v for k, v in (raw or {}).items()}
+    for flag, key, value in (
+        ("--spec-method", "method", args.spec_method),
+        ("--speculative-model/--spec-model", "model", args.spec_model),
+        ("--num-speculative-tokens/--spec-tokens", "num_speculative_tokens", args.spec_tokens),
+    ):
+        if value is None:
+            continue
+        if key in spec:
+            raise CloverSpecError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        spec[key] = value
+    # Consumed here; vLLM's own merge must not see them again.
+    args.spec_method = args.spec_model = args.spec_tokens = None
+    return spec
+
+
+# ============================================================================ worker side
+def is_clover_vllm_config(vllm_config: Any) -> bool:
+    """True when a (translated) VllmConfig runs a Clover drafter through the medusa slot."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "medusa" or spec.draft_model_config is None:
+        return False
+    return ARCHITECTURE in (getattr(spec.draft_model_config.hf_config, "architectures", None) or [])
+
+
+def clover_options(vllm_config: Any) -> dict[str, Any]:
+    """Clover-only options stashed by the front end (defaults if absent)."""
+    extra = (getattr(vllm_config, "additional_config", None) or {}).get("clover") or {}
+    return {**DEFAULT_OPTIONS, **extra}
+
+
+# ============================================================================ installation
+_MARK = "__vllm_clover_wrapped__"
+
+
+def install_cli_flags() -> None:
+    """Wrap the staticmethod ``EngineArgs.add_cli_args`` to also add our two flags."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.add_cli_args
+    if getattr(orig, _MARK, False):
+        return
+
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = orig(parser, *args, **kwargs)
+        add_clover_cli_args(parser)
+        return parser
+
+    setattr(add_cli_args, _MARK, True)
+    add_cli_args.__wrapped__ = orig  # type: ignore[attr-defined]  (inspect.signature follows it)
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+
+def install_translation() -> None:
+    """Wrap ``EngineArgs.create_speculative_config``: translate Clover before vLLM sees it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_speculative_config
+    if getattr(orig, _MARK, False):
+        return
+
+    def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
+        if wants_clover(self):
+            translate_engine_args(self, target_model_config)
+        return orig(self, target_model_config, target_parallel_config)
+
+    setattr(create_speculative_config, _MARK, True)
+    create_speculative_config.__wrapped__ = orig  # type: ignore[attr-defined]
+    EngineArgs.create_speculative_config = create_speculative_config

@@ -1,0 +1,219 @@
+"""``CloverProposer``: Clover chain drafting inside vLLM's V1 model runner.
+
+The runner hooks (vllm_clover/runner_hooks.py) install it in place of vLLM's
+``MedusaProposer`` and route ``propose_draft_token_ids`` to :meth:`propose_clover`,
+which runs once per engine step, after the target forward, the rejection sampler and
+the runner's bookkeeping (medusa timing), with:
+
+* ``aux_hidden_states[0]`` [N, H]: the target's last-layer residual stream before its
+  final norm (Clover's x_t) for all N scheduled rows (prefill chunks and verified drafts);
+* the runner's persistent batch, whose ``token_ids_cpu`` already holds every committed
+  token, including the ones just accepted / sampled.
+
+Per step: (1) the trunk runs over all N rows with the EAGLE shift, y[t] = the token at
+position(t)+1 of t's request, writing the Augmenting-Block KV cache through vLLM's paged
+attention (same blocks and slots as the target); (2) the heads draft K tokens for every
+request at once from z at its last accepted row. See docs/design-proposer.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.v1.spec_decode.medusa import MedusaProposer
+
+from vllm_clover.checkpoint import CloverCheckpointError
+from vllm_clover.frontend import clover_options
+from vllm_clover.vllm_model import CloverForSpeculativeDecoding
+
+Tensor = torch.Tensor
+# vLLM's SamplingMetadata.temperature value for greedy requests (rejection_sampler.py).
+GREEDY_TEMPERATURE = 0.0
+
+
+def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
+                 query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """EAGLE-shifted trunk tokens and per-request gather indices (CPU, no Python loop).
+
+    token_ids [R, L]: the persistent batch's committed tokens (row i = request i);
+    num_tokens [B]: committed tokens per request (prompt + outputs, drafts excluded);
+    positions [N]: position of each scheduled row; query_start_loc [B+1].
+
+    Returns
+      y [N] long: the token at position+1 of the row's request, i.e. the next input
+        token within a chunk, the newly sampled token at the last accepted row, the next
+        prompt token for a partial prefill; 0 for rows past the last accepted one
+        (rejected drafts: their trunk KV is rewritten next step, when vLLM rolls back).
+      last [B] long: index of each request's last accepted row (head-0 input);
+      first [B] long: each request's last committed token (y at that row).
+    """
+    b = query_start_loc.numel() - 1
+    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
+    num_tokens = num_tokens[:b].long()
+    positions = positions.long()
+    row_req = torch.repeat_interleave(torch.arange(b), ends - starts)
+    nxt = positions + 1
+    valid = nxt < num_tokens[row_req]
+    y = token_ids[row_req, nxt.clamp(max=token_ids.shape[1] - 1)].long()
+    y = torch.where(valid, y, torch.zeros_like(y))
+    # The row at position num_tokens-2 is the last one whose successor is committed;
+    # partial prefills (successor still a prompt token past the chunk) use their last row.
+    last = starts + (num_tokens - 2 - positions[starts])
+    last = torch.minimum(torch.maximum(last, starts), ends - 1)
+    first = token_ids[torch.arange(b), (num_tokens - 1).clamp(min=0)].long()
+    return y, last, first
+
+
+class CloverProposer(MedusaProposer):
+    """Clover drafter for the medusa slot of vLLM's V1 ``GPUModelRunner`` (and CPU runner).
+
+    Subclassing MedusaProposer keeps every ``isinstance(drafter, MedusaProposer)`` check
+    and the medusa timing (after bookkeeping, CPU token lists) of the runner.
+    """
+
+    is_clover = True  # what runner_hooks tests (no import of this module needed there)
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.options = clover_options(vllm_config)
+        self.model: CloverForSpeculativeDecoding | None = None
+        self._layer_names: set[str] = set()
+
+    # ------------------------------------------------------------------ loading
+    def load_model(self, target_model: nn.Module) -> None:
+        """Load the drafter, bind the target's lm_head (E = lm_head weight, as the
+        official code), and ask the target for its pre-final-norm residual stream."""
+        super().load_model(target_model)  # get_model() on the draft ModelConfig
+        if not isinstance(self.model, CloverForSpeculativeDecoding):
+            raise CloverCheckpointError(
+                f"draft model is {type(self.model).__name__}, expected CloverForSpeculativeDecoding")
+        cfg = self.model.config
+        target_cfg = self.vllm_config.model_config.hf_text_config
+        problem = cfg.target_mismatch(target_cfg)
+        if problem:
+            raise CloverCheckpointError(f"Clover checkpoint {self.spec_config.model} {problem}")
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise NotImplementedError("vllm-clover: tensor_parallel_size > 1 is not supported yet")
+        if not supports_eagle3(target_model):
+            raise CloverCheckpointError(
+                f"target {type(target_model).__name__} cannot return its pre-norm hidden states "
+                "(no SupportsEagle3 interface), which Clover needs")
+        head = getattr(target_model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if weight is None or weight.shape[0] < cfg.vocab_size or weight.shape[1] != cfg.hidden_size:
+            raise CloverCheckpointError(
+                f"target lm_head weight {None if weight is None else tuple(weight.shape)} does not "
+                f"fit the Clover checkpoint (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
+        # ParallelLMHead pads the vocabulary; Clover's E and LMHead are the real rows.
+        self.model.bind_target(weight[: cfg.vocab_size])
+        # Read by the runner's _setup_eagle3_aux_hidden_state_outputs right after this:
+        # aux index num_layers = hidden + residual after the last layer = x_t.
+        self.spec_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = [
+            target_cfg.num_hidden_layers]
+        self._layer_names = set(self.model.attn_layer_names)
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose_clover(self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]],
+                       sampling_metadata: Any, aux_hidden_states: list[Tensor] | None,
+                       common_attn_metadata: Any, slot_mappings: Any) -> tuple[Tensor, Tensor | None]:
+        """One drafting step. Returns drafts [B, K] (long) and, when temperature>0 requests
+        draft by sampling, their draft distributions [B, K, V] (float32), else None."""
+        if not aux_hidden_states:
+            raise RuntimeError("vllm-clover: the target returned no aux hidden states")
+        batch = runner.input_batch
+        b = batch.num_reqs
+        n = scheduler_output.total_num_scheduled_tokens
+        positions = runner.positions[:n]
+        y, last, first = trunk_inputs(batch.token_ids_cpu_tensor,
+                                      batch.num_tokens_no_spec_cpu_tensor,
+                                      positions.cpu(), common_attn_metadata.query_start_loc_cpu[: b + 1])
+        x = aux_hidden_states[0][:n]
+        z = self._run_trunk(runner, x, y.to(x.device), positions, common_attn_metadata, slot_mappings, n)
+        k = min(scheduler_output.num_spec_tokens_to_schedule, self.num_speculative_tokens)
+        if k <= 0:
+            return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
+        return self._draft(z[last.to(x.device)], first.to(x.device), k, sampling_metadata, b)
+
+    def _run_trunk(self, runner: Any, x: Tensor, y: Tensor, positions: Tensor, cm: Any,
+                   slot_mappings: Any, n: int) -> Tensor:
+        """Trunk over all n scheduled rows with paged attention on the Clover layers."""
+        metadata = {}
+        for groups in runner.attn_groups:
+            for group in groups:
+                mine = self._layer_names.intersection(group.layer_names)
+                if not mine:
+                    continue
+                if group.kv_cache_group_id != 0:
+                    # cm is built for KV-cache group 0 when the drafter is not EAGLE-like.
+                    raise NotImplementedError(
+                        "vllm-clover: Clover layers landed in KV-cache group "
+                        f"{group.kv_cache_group_id}; only single-group targets are supported")
+                built = group.build_metadata(cm)
+                metadata.update(dict.fromkeys(mine, built))
+        missing = self._layer_names - set(metadata)
+        if missing:
+            raise RuntimeError(f"vllm-clover: no attention group holds {sorted(missing)}")
+        by_layer = slot_mappings if isinstance(slot_mappings, dict) else {}
+        slots = {name: by_layer.get(name, cm.slot_mapping)[:n] for name in self._layer_names}
+        with set_forward_context(metadata, self.vllm_config, num_tokens=n, slot_mapping=slots):
+            return self.model.trunk(x, y, positions)
+
+    def _draft(self, z_last: Tensor, first: Tensor, k: int, sampling_metadata: Any,
+               b: int) -> tuple[Tensor, Tensor | None]:
+        """Chain of k heads over all B requests at once (loop over heads only).
+
+        Greedy requests (and every request with draft_sampling="greedy") take each head's
+        argmax: one-hot drafts, which vLLM's rejection sampler handles exactly when no
+        probabilities are given. With draft_sampling="sample" and any temperature>0
+        request in the batch, those requests draw each draft from q = softmax(logits/T)
+        and q is returned for the rejection sampler, which then accepts with min(1, p/q)
+        and resamples from max(0, p-q): exactly the target distribution, higher acceptance
+        than one-hot drafts when the heads are good.
+        """
+        sample = self.options["draft_sampling"] == "sample" and not sampling_metadata.all_greedy
+        if sample:
+            temp = sampling_metadata.temperature[:b].to(torch.float32)
+            greedy = temp == GREEDY_TEMPERATURE
+            inv_temp = torch.where(greedy, torch.ones_like(temp), temp).reciprocal().unsqueeze(1)
+            generators = sampling_metadata.generators
+        state, token = z_last, first
+        tokens, probs = [], []
+        for i in range(k):
+            state, o = self.model.head_step(state, token, i)
+            logits = self.model.logits(o)  # [B, V] float32
+            token = logits.argmax(dim=-1)
+            if sample:
+                q = torch.softmax(logits * inv_temp, dim=-1)
+                token = torch.where(greedy, token, _sample_rows(q, generators))
+                probs.append(q)
+            tokens.append(token)
+        drafts = torch.stack(tokens, dim=1)
+        return drafts, (torch.stack(probs, dim=1).contiguous() if sample else None)
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, **_: Any) -> None:
+        """Heads on zero states (the trunk needs paged-attention metadata, so it is
+        exercised by real steps only). vLLM 0.32 does not call this for medusa drafters."""
+        if self.model is None or self.model.drafter.lm_head_weight is None:
+            return
+        rows = max(1, min(num_tokens, self.vllm_config.scheduler_config.max_num_seqs))
+        state = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
+        token = torch.zeros(rows, dtype=torch.long, device=self.device)
+        for i in range(self.num_speculative_tokens):
+            state, o = self.model.head_step(state, token, i)
+            token = self.model.logits(o).argmax(dim=-1)
+
+
+def _sample_rows(q: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """One token per row of q [B, V]; rows with a per-request generator (seeded
+    requests) draw from it, so seeded outputs stay reproducible."""
+    out = torch.multinomial(q, 1).squeeze(1)
+    for row, gen in generators.items():
+        if row < q.shape[0]:
+            out[row] = torch.multinomial(q[row], 1, generator=gen)[0]
+    return out
