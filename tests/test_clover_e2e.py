@@ -1,13 +1,29 @@
-"""Clover inside vLLM's engine is lossless: greedy float32 outputs are token-identical to
-plain vLLM, across batch sizes, chunked prefill, prefix-cache hits, chat templates, stop
-strings, max_tokens and generation up to max_model_len; sampling runs with draft
-probabilities. One plain and one Clover LLM per module (started one after the other)."""
+"""Clover inside vLLM's engine, checked against plain vLLM and the pure-PyTorch reference.
+
+* Lossless: greedy float32 outputs are token-identical to plain vLLM across batch sizes,
+  chunked prefill, prefix-cache hits, chat templates, stop strings, max_tokens and
+  generation up to max_model_len; logprobs and prompt logprobs match; n > 1 works.
+* Wiring: the drafts vLLM's proposer made equal what ``CloverDrafter`` (model.py)
+  computes from the target's pre-norm states (HF transformers), and deliberately broken
+  references (shifted trunk input, post-norm input, no trunk KV, wrong RoPE base, swapped
+  MLP shards, wrong row) do not, so the comparison has the power to catch those bugs.
+* Sampling: at T=0.8 / top-p 0.95 the distribution of generated tokens matches plain
+  vLLM (two-sample chi-square), with drafts both accepted and rejected.
+* Observability: spec-decode counters (LLM.get_metrics) and per-request metrics.
+
+One plain and one Clover LLM per module (started one after the other). The Clover LLM
+runs a *sensitized* drafter (tests/conftest.py::sensitize_drafter) whose drafts depend
+strongly on all of its inputs.
+"""
 
 from __future__ import annotations
 
+import math
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import shutdown_llm
 
@@ -17,7 +33,15 @@ MAX_MODEL_LEN = 1024
 LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
                   max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=16,
                   enable_prefix_caching=True, disable_log_stats=False)
+# vLLM refuses per-request spec-decode metrics without speculative decoding.
+CLOVER_KWARGS = dict(worker_extension_cls="vllm_clover.runner_hooks.CloverWorkerExtension",
+                     per_request_spec_decode_metrics="summary")
 K = 3
+# Sampling test: a period-1 prompt on which the sensitized drafter's head 0 overlaps the
+# target's distribution by ~60% at T=0.8, so drafts are accepted and rejected.
+SAMPLE_PROMPT = "the the the the the the the the the the"
+NUM_SAMPLES = 480
+SAMPLE_TOKENS = 4
 
 LONG = ("The history of the printing press begins in the fifteenth century, when Johannes "
         "Gutenberg combined movable metal type, oil-based ink and a wooden screw press. ") * 12
@@ -38,11 +62,33 @@ CHATS = [
      {"role": "assistant", "content": "I am a helpful assistant."},
      {"role": "user", "content": "Tell me a fun fact about cats."}],
 ]
+DIVERGE_A = " Printing spread quickly across Europe within fifty years."
+DIVERGE_B = " Meanwhile, in China, movable type had been known for centuries."
 # Near max_model_len: max_tokens=None lets generation run into the length limit.
 NEAR_LIMIT = LONG * 2 + " And then"
 
 
-def _run_suite(llm, tokenizer) -> dict:
+def _spec_metrics(llm) -> dict:
+    """vLLM's spec-decode counters (process-global: take differences between snapshots)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list)
+                else v - before.get(k, 0)) for k, v in after.items()}
+
+
+def _logprobs(entries) -> list[dict[int, tuple[float, int]]] | None:
+    if entries is None:
+        return None
+    return [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in entries]
+
+
+def _run_suite(llm, tokenizer, clover: bool) -> dict:
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
@@ -50,10 +96,35 @@ def _run_suite(llm, tokenizer) -> dict:
     def ids(outputs):
         return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
 
-    near_ids = tokenizer(NEAR_LIMIT)["input_ids"][: MAX_MODEL_LEN - 40]
+    if clover:
+        llm.collective_rpc("clover_record_drafts", args=(True,))
     res = {
         "batch": ids(llm.generate(PROMPTS, greedy, use_tqdm=False)),
         "batch_again": ids(llm.generate(PROMPTS, greedy, use_tqdm=False)),  # prefix-cache hits
+    }
+    # Shares exactly two 128-token KV blocks with DIVERGE_A, then continues differently:
+    # a prefix-cache hit whose boundary token differs from the cached request's.
+    shared = tokenizer(LONG)["input_ids"][:256]
+    first = llm.generate([{"prompt_token_ids": shared + tokenizer(DIVERGE_A)["input_ids"]}], greedy,
+                         use_tqdm=False)
+    second = llm.generate([{"prompt_token_ids": shared + tokenizer(DIVERGE_B)["input_ids"]}], greedy,
+                          use_tqdm=False)
+    res["diverge"] = ids(first + second)
+    res["diverge_ids"] = [first[0].request_id, second[0].request_id]
+    # A request running into max_model_len next to a short one: vLLM would skip drafting
+    # for the whole batch in the last steps (runner-clover-always-drafts patch).
+    near_ids = tokenizer(NEAR_LIMIT)["input_ids"][: MAX_MODEL_LEN - 40]
+    both = llm.generate([{"prompt_token_ids": near_ids}, PROMPTS[2]],
+                        [SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                         SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)], use_tqdm=False)
+    res["near_limit_batch"] = ids(both)
+    res["near_limit_id"] = both[0].request_id
+    if clover:
+        records = llm.collective_rpc("clover_take_drafts")[0]
+        # The 984-token request's own drafts are left out of the reference (cost).
+        res["draft_records"] = [r for r in records if r[0].rsplit("-", 1)[0] != res["near_limit_id"]]
+        llm.collective_rpc("clover_record_drafts", args=(False,))
+    res.update({
         "single": [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in (PROMPTS[0], PROMPTS[3])],
         "chat": ids(llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)),
         "stop": [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(
@@ -64,37 +135,75 @@ def _run_suite(llm, tokenizer) -> dict:
             [{"prompt_token_ids": near_ids}], SamplingParams(temperature=0.0, max_tokens=None,
                                                              ignore_eos=True), use_tqdm=False)),
         "prompt_len_near": len(near_ids),
-    }
+    })
+    lp = llm.generate(PROMPTS[:5], SamplingParams(temperature=0.0, max_tokens=24, logprobs=3,
+                                                  prompt_logprobs=2), use_tqdm=False)
+    res["logprobs"] = [(o.outputs[0].token_ids, _logprobs(o.outputs[0].logprobs),
+                        _logprobs(o.prompt_logprobs)) for o in lp]
+    multi = llm.generate(PROMPTS[:3], SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=16,
+                                                     seed=11, logprobs=1), use_tqdm=False)
+    res["n3"] = [[(len(c.token_ids), c.finish_reason, len(c.logprobs or []), c.index) for c in o.outputs]
+                 for o in multi]
     sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7),
                            use_tqdm=False)
     res["sampled"] = [len(o.outputs[0].token_ids) for o in sampled]
-    res["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                      if m.name.startswith("vllm:spec_decode")}
+    if clover:
+        # A seeded request whose prompt needs two prefill chunks (cache_salt: no prefix-cache
+        # hit), twice. Plain vLLM 0.32 on CPU dies here ("CPU Generator does not use
+        # offset"); Clover engines carry the runner-cpu-seeded-partial-prefill fix.
+        chunked = [llm.generate([{"prompt": PROMPTS[3], "cache_salt": salt}], SamplingParams(
+            temperature=0.8, top_p=0.95, max_tokens=16, seed=5), use_tqdm=False)[0].outputs[0].token_ids
+            for salt in ("a", "b")]
+        res["seeded_chunked"] = chunked
+
+    # Sampling distribution: even requests seeded (per-request generators), odd ones not.
+    offset = NUM_SAMPLES if clover else 0  # independent samples for the two-sample test
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=SAMPLE_TOKENS, ignore_eos=True,
+                             seed=(offset + i) if i % 2 == 0 else None) for i in range(NUM_SAMPLES)]
+    before = _spec_metrics(llm)
+    outs = llm.generate([SAMPLE_PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    res["sample_metrics"] = _delta(_spec_metrics(llm), before)
+    res["samples"] = [tuple(o.outputs[0].token_ids) for o in outs]
+    res["sample_request_metrics"] = [None if o.outputs[0].spec_decode_metrics is None
+                                     else o.outputs[0].spec_decode_metrics.to_dict() for o in outs]
+    res["metrics"] = _spec_metrics(llm)
     return res
 
 
 @pytest.fixture(scope="module")
-def results(default_model_dir: Path, clover_ckpt_dir: Path) -> dict:
+def results(default_model_dir: Path, sensitive_ckpt_dir: Path) -> dict:
+    import os, pickle  # TEMP-CACHE
+    if os.environ.get("CLOVER_E2E_CACHE") and os.path.exists(os.environ["CLOVER_E2E_CACHE"]):  # TEMP-CACHE
+        return pickle.load(open(os.environ["CLOVER_E2E_CACHE"], "rb"))  # TEMP-CACHE
+    res = _results(default_model_dir, sensitive_ckpt_dir)  # TEMP-CACHE
+    if os.environ.get("CLOVER_E2E_CACHE"):  # TEMP-CACHE
+        pickle.dump(res, open(os.environ["CLOVER_E2E_CACHE"], "wb"))  # TEMP-CACHE
+    return res  # TEMP-CACHE
+
+
+def _results(default_model_dir: Path, sensitive_ckpt_dir: Path) -> dict:  # TEMP-CACHE
     from transformers import AutoTokenizer
     from vllm import LLM
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     plain = LLM(model=str(default_model_dir), **LLM_KWARGS)
     try:
-        ref = _run_suite(plain, tokenizer)
+        ref = _run_suite(plain, tokenizer, clover=False)
     finally:
         shutdown_llm(plain)
         del plain
     clover = LLM(model=str(default_model_dir), speculative_config={
-        "method": "clover", "model": str(clover_ckpt_dir), "num_speculative_tokens": K}, **LLM_KWARGS)
+        "method": "clover", "model": str(sensitive_ckpt_dir), "num_speculative_tokens": K},
+        **CLOVER_KWARGS, **LLM_KWARGS)
     try:
-        got = _run_suite(clover, tokenizer)
+        got = _run_suite(clover, tokenizer, clover=True)
     finally:
         shutdown_llm(clover)
     return {"ref": ref, "clover": got}
 
 
-@pytest.mark.parametrize("case", ["batch", "batch_again", "single", "chat", "stop", "max_tokens",
+# ============================================================================ lossless
+@pytest.mark.parametrize("case", ["batch", "batch_again", "diverge", "near_limit_batch", "single", "chat", "stop", "max_tokens",
                                   "to_max_model_len"])
 def test_greedy_outputs_identical_to_plain_vllm(results: dict, case: str) -> None:
     assert results["clover"][case] == results["ref"][case]
@@ -109,13 +218,251 @@ def test_cases_cover_what_they_claim(results: dict) -> None:
     assert reason == "length" and ref["prompt_len_near"] + len(tokens) == MAX_MODEL_LEN
 
 
-def test_drafts_were_proposed_and_verified(results: dict) -> None:
-    metrics = results["clover"]["metrics"]
-    assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
-    assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
-    assert not results["ref"]["metrics"].get("vllm:spec_decode_num_drafts")
+def test_logprobs_and_prompt_logprobs_match_plain_vllm(results: dict) -> None:
+    """Greedy with logprobs=3 and prompt_logprobs=2: same tokens, same top-3 token sets
+    and ranks, log-probabilities equal to float32 noise (logprobs of accepted drafts
+    come from the verification rows of the target, not from the drafter)."""
+    for (t_ref, lp_ref, plp_ref), (t_got, lp_got, plp_got) in zip(results["ref"]["logprobs"],
+                                                                   results["clover"]["logprobs"]):
+        assert t_got == t_ref
+        assert len(lp_got) == len(lp_ref) == len(t_ref)
+        assert len(plp_got) == len(plp_ref) and plp_got[0] is None
+        for got, ref in zip(lp_got + plp_got[1:], lp_ref + plp_ref[1:]):
+            assert got.keys() == ref.keys()
+            for tok, (value, rank) in ref.items():
+                assert got[tok][1] == rank
+                assert math.isclose(got[tok][0], value, rel_tol=1e-4, abs_tol=2e-4), (tok, got, ref)
+
+
+def test_n_greater_than_one(results: dict) -> None:
+    for outs in results["clover"]["n3"]:
+        assert sorted(i for *_, i in outs) == [0, 1, 2]
+        for length, reason, num_logprobs, _ in outs:
+            assert 0 < length <= 16 and reason in ("length", "stop")
+            assert num_logprobs == length
 
 
 def test_sampling_with_draft_probabilities_runs(results: dict) -> None:
-    assert results["clover"]["sampled"] == results["ref"]["sampled"] or \
-        all(0 < n <= 24 for n in results["clover"]["sampled"])
+    assert all(0 < n <= 24 for n in results["clover"]["sampled"])
+
+
+def test_seeded_request_with_chunked_prefill(results: dict) -> None:
+    """Same seeded request, prefilled in two chunks, twice: the engine survives (vLLM's
+    CPU generator rewind bug is worked around) and the outputs are identical (the
+    request's generator is untouched by the discarded partial-prefill step)."""
+    first, second = results["clover"]["seeded_chunked"]
+    assert len(first) == 16 and first == second
+
+
+# ============================================================================ wiring
+BROKEN = ("trunk input not shifted (y_t for y_t+1)", "post-norm target states",
+          "no trunk KV (each row attends to itself)", "RoPE base of the target",
+          "gate/up shards swapped", "head input one row too early")
+
+
+def _reference_agreement(default_model_dir: Path, ckpt: Path, records: list) -> dict:
+    """Agreement (fraction of draft tokens) between vLLM's recorded drafts and the
+    pure-PyTorch reference, for the correct reference and for broken ones; also per
+    request id for the correct one."""
+    import copy
+
+    from vllm_clover.checkpoint import load_drafter
+    from vllm_clover.features import load_target_for_features, prenorm_hidden
+
+    model, decoder, norm = load_target_for_features(default_model_dir, dtype="float32")
+    drafter = load_drafter(ckpt, model.config, lm_head_weight=model.lm_head.weight.detach())
+    theta = copy.deepcopy(drafter)
+    theta.config.rope_theta = model.config.rope_parameters["rope_theta"]  # target's, not Clover's
+    swapped = copy.deepcopy(drafter)
+    for layer in swapped.layers:  # a stacked-parameter (gate_up) shard mix-up
+        gate = layer.mlp.gate_proj.weight.data.clone()
+        layer.mlp.gate_proj.weight.data.copy_(layer.mlp.up_proj.weight.data)
+        layer.mlp.up_proj.weight.data.copy_(gate)
+
+    # Trunk outputs once per distinct sequence (requests of the second batch repeat the first).
+    longest: dict[str, tuple] = {}
+    for rid, tokens, _ in records:
+        if len(tokens) > len(longest.get(rid, ())):
+            longest[rid] = tuple(tokens)
+    trunks: dict[tuple, dict] = {}
+    with torch.inference_mode():
+        for seq in set(longest.values()):  # HF forward + trunk variants per sequence
+            ids = torch.tensor([seq])
+            x = prenorm_hidden(decoder, norm, ids, torch.ones_like(ids))[:, :-1]
+            y = ids[:, 1:]
+            u = drafter.fuse(x, y)
+            z = drafter.trunk(x, y)[0][0]
+            trunks[seq] = {
+                "correct": z,
+                BROKEN[0]: drafter.trunk(x, ids[:, :-1])[0][0],
+                BROKEN[1]: drafter.trunk(norm(x), y)[0][0],
+                BROKEN[2]: torch.cat([drafter.augment(u[:, t:t + 1], positions=torch.tensor([[t]]))[0]
+                                      for t in range(u.shape[1])], dim=1)[0],
+                BROKEN[3]: theta.trunk(x, y)[0][0],
+                BROKEN[4]: swapped.trunk(x, y)[0][0],
+                BROKEN[5]: torch.cat([z[:1], z[:-1]]),  # row c-3 where c-2 is right
+            }
+        # One batched chain per variant (and draft length): GEMMs, not thousands of GEMVs.
+        agree: Counter = Counter()
+        per_req: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        total = 0
+        for k in sorted({len(d) for *_, d in records}):
+            group = [(rid, t, d) for rid, t, d in records if len(d) == k]
+            got = torch.tensor([d for *_, d in group])
+            firsts = torch.tensor([t[-1] for _, t, _ in group])
+            for name in ("correct", *BROKEN):
+                rows = []
+                for rid, tokens, _ in group:
+                    seq = longest[rid]
+                    assert seq[:len(tokens)] == tuple(tokens)
+                    rows.append(trunks[seq][name][len(tokens) - 2])
+                model_ = swapped if name == BROKEN[4] else theta if name == BROKEN[3] else drafter
+                mine, _ = model_.draft_chain(torch.stack(rows), firsts, k=k)
+                hits = (mine == got)
+                agree[name] += int(hits.sum())
+                if name == "correct":
+                    for (rid, _, _), row in zip(group, hits.sum(1).tolist()):
+                        per_req[rid][0] += row
+                        per_req[rid][1] += k
+            total += got.numel()
+    return {"agreement": {name: n / total for name, n in agree.items()},
+            "per_request": {rid: a / n for rid, (a, n) in per_req.items()},
+            "records": len(records), "sequences": len(trunks)}
+
+
+def test_vllm_drafts_equal_pytorch_reference(results: dict, default_model_dir: Path,
+                                             sensitive_ckpt_dir: Path) -> None:
+    """The most direct wiring proof: for every drafting step of every request in three
+    greedy batches (9 prompts: chunked prefill of a 330-token prompt, a batch mixing
+    prefills and decodes; the same batch again, with prefix-cache hits; and a prompt
+    that shares exactly two KV blocks with an earlier one and then diverges), the K draft
+    tokens vLLM's CloverProposer produced equal CloverDrafter.draft_chain on the trunk
+    output of the pure-PyTorch reference, fed with the target's pre-norm states from HF
+    transformers. Both run float32; the few argmax near-ties that kernel rounding could
+    flip are why the bound is 97% rather than 100% (observed: 100%).
+
+    Each broken reference models a wiring bug (trunk input shift, post-norm states, lost
+    paged KV, RoPE base, weight-loading shard mix-up, head-input row); each must agree
+    far less, which shows this comparison detects that bug with this drafter.
+    """
+    records = results["clover"]["draft_records"]
+    report = _reference_agreement(default_model_dir, sensitive_ckpt_dir, records)
+    print(report)
+    agreement = report["agreement"]
+    assert len(report["per_request"]) == 2 * len(PROMPTS) + 3
+    assert report["records"] >= (2 * len(PROMPTS) + 3) * 8
+    assert agreement["correct"] >= 0.97, report
+    # The request that hit a prefix-cache block boundary with a different next token:
+    # exact only because the last matched block is recomputed (the block-drop patch).
+    # Engine request ids are "<LLM request id>-<8 random characters>".
+    diverged = [v for rid, v in report["per_request"].items()
+                if rid.rsplit("-", 1)[0] in results["clover"]["diverge_ids"]]
+    assert diverged and min(diverged) >= 0.97, report
+    for name in BROKEN:
+        assert agreement[name] <= 0.85, (name, report)
+
+
+# ============================================================================ sampling
+def chi_square_homogeneity(a: list, b: list, min_count: int = 10) -> tuple[float, int, float]:
+    """Two-sample chi-square test of equal categorical distributions.
+
+    Categories whose pooled count is below ``min_count`` are merged into one "other"
+    category (dropped if that stays below min_count). Returns (statistic, degrees of
+    freedom, p-value); p-value from the chi-square survival function (torch gammaincc).
+    """
+    ca, cb = Counter(a), Counter(b)
+    pooled = ca + cb
+    keep = [k for k, n in pooled.items() if n >= min_count]
+    rows = [(ca[k], cb[k]) for k in keep]
+    rest = (sum(ca[k] for k in pooled if k not in keep), sum(cb[k] for k in pooled if k not in keep))
+    if sum(rest) >= min_count:
+        rows.append(rest)
+    na, nb = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    stat = 0.0
+    for oa, ob in rows:
+        ea, eb = (oa + ob) * na / (na + nb), (oa + ob) * nb / (na + nb)
+        stat += (oa - ea) ** 2 / ea + (ob - eb) ** 2 / eb
+    df = max(len(rows) - 1, 1)
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, df, p
+
+
+def total_variation(a: list, b: list) -> float:
+    ca, cb = Counter(a), Counter(b)
+    return 0.5 * sum(abs(ca[k] / len(a) - cb[k] / len(b)) for k in ca.keys() | cb.keys())
+
+
+def test_chi_square_helper_detects_a_shift() -> None:
+    import random
+
+    rng = random.Random(0)
+    same = [rng.choices("abcd", weights=[5, 3, 1, 1])[0] for _ in range(2 * NUM_SAMPLES)]
+    assert chi_square_homogeneity(same[:NUM_SAMPLES], same[NUM_SAMPLES:])[2] > 1e-3
+    other = [rng.choices("abcd", weights=[4, 3, 2, 1])[0] for _ in range(NUM_SAMPLES)]
+    assert chi_square_homogeneity(same[:NUM_SAMPLES], other)[2] < 1e-3
+
+
+def test_sampling_distribution_matches_plain_vllm(results: dict) -> None:
+    """T=0.8, top-p 0.95, 480 requests of 4 tokens from one prompt, half seeded.
+
+    Token 1 comes from the prefill step (no drafts); tokens 2-4 pass through Clover's
+    drafts and vLLM's rejection sampler with Clover's draft probabilities q. For each
+    position and for the joint (t2, t3), a two-sample chi-square test against plain vLLM
+    must not reject at level 1e-3 (5 tests: family-wise false alarm < 0.5% for a random
+    seed set; the seeds are fixed, so the outcome is deterministic). With 480 samples a
+    total-variation shift of about 0.12 on a mass-0.3 category is detected (power > 0.99).
+
+    Verified by mutation: handing the rejection sampler a uniform q, or q computed at
+    temperature 1 instead of T, or the rows of another draft position, makes this test
+    fail (docs/design-proposer.md, "Sampling-correctness test").
+    """
+    ref, got = results["ref"]["samples"], results["clover"]["samples"]
+    assert len(ref) == len(got) == NUM_SAMPLES
+    assert all(len(s) == SAMPLE_TOKENS for s in ref + got)
+    metrics = results["clover"]["sample_metrics"]
+    accepted, drafted = metrics["vllm:spec_decode_num_accepted_tokens"], metrics[
+        "vllm:spec_decode_num_draft_tokens"]
+    print("acceptance", accepted, "/", drafted)
+    # Both branches of rejection sampling ran: drafts accepted, drafts rejected.
+    assert 0.1 * drafted < accepted < 0.9 * drafted, metrics
+    report = {}
+    for name, key in [(f"t{j + 1}", (lambda s, j=j: s[j])) for j in range(SAMPLE_TOKENS)] + [
+            ("t2,t3", lambda s: s[1:3])]:
+        a, b = [key(s) for s in ref], [key(s) for s in got]
+        stat, df, p = chi_square_homogeneity(a, b)
+        report[name] = dict(chi2=round(stat, 2), df=df, p=p, tv=round(total_variation(a, b), 3))
+    print(report)
+    assert all(r["p"] > 1e-3 for r in report.values()), report
+
+
+# ============================================================================ metrics
+def test_spec_decode_counters_consistent(results: dict) -> None:
+    m = results["clover"]["metrics"]
+    drafts = m["vllm:spec_decode_num_drafts"]
+    draft_tokens = m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert drafts > 0 and drafts <= draft_tokens <= K * drafts
+    assert 0 < accepted <= draft_tokens
+    assert len(per_pos) == K and sum(per_pos) == accepted
+    # Chain acceptance: position i+1 is only accepted after position i.
+    assert all(per_pos[i] >= per_pos[i + 1] for i in range(K - 1)), per_pos
+    assert not results["ref"]["metrics"].get("vllm:spec_decode_num_drafts")
+
+
+def test_per_request_spec_decode_metrics(results: dict) -> None:
+    """per_request_spec_decode_metrics="summary": every request's CompletionOutput
+    carries its acceptance summary, and they add up to the engine counters."""
+    per_req = results["clover"]["sample_request_metrics"]
+    engine = results["clover"]["sample_metrics"]
+    assert all(r is not None for r in per_req)
+    for r in per_req:
+        assert r["num_spec_tokens"] == K and len(r["acceptance_histogram"]) == K + 1
+        assert r["num_accepted_draft_tokens"] <= r["num_draft_tokens"] <= K * r["num_spec_steps"]
+        assert 1.0 <= r["mean_acceptance_length"] <= K + 1
+    assert sum(r["num_draft_tokens"] for r in per_req) == engine["vllm:spec_decode_num_draft_tokens"]
+    assert sum(r["num_accepted_draft_tokens"] for r in per_req) == \
+        engine["vllm:spec_decode_num_accepted_tokens"]
+    assert sum(r["num_spec_steps"] for r in per_req) == engine["vllm:spec_decode_num_drafts"]
+    assert all(r is None for r in results["ref"]["sample_request_metrics"])

@@ -95,6 +95,16 @@ def test_non_clover_speculation_is_untouched(default_model_dir) -> None:
                                                     "prompt_lookup_max": 3})
     assert config.speculative_config.method == "ngram"
     assert "clover" not in (config.additional_config or {})
+    assert not config.speculative_config.use_eagle_block_drop()
+
+
+def test_prefix_cache_block_drop_on_for_clover(default_model_dir, clover_ckpt_dir) -> None:
+    """Like EAGLE, Clover drops the last matched prefix-cache block (its trunk KV at the
+    boundary depends on the next token); the user can opt out with vLLM's own key."""
+    spec = {"method": "clover", "model": str(clover_ckpt_dir), "num_speculative_tokens": 2}
+    assert _engine_config(default_model_dir, spec)[1].speculative_config.use_eagle_block_drop()
+    _, config = _engine_config(default_model_dir, {**spec, "disable_eagle_block_drop": True})
+    assert not config.speculative_config.use_eagle_block_drop()
 
 
 # ============================================================================ start-up errors
@@ -215,3 +225,89 @@ def test_trunk_inputs_eagle_shift() -> None:
     assert y.tolist() == [15, 16, 0, 23, 24, 25, 31, 32, 33]
     assert last.tolist() == [1, 5, 8]
     assert first.tolist() == [16, 25, 37]
+
+
+# ============================================================================ CLI errors
+def test_cli_rejects_missing_checkpoint_directory_at_parse_time(tmp_path, capsys) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    missing = tmp_path / "nowhere"
+    with pytest.raises(SystemExit) as excinfo:
+        parser.parse_args(["--model", "m", "--speculative-model", f"clover:{missing}"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--speculative-model" in err and str(missing) in err and "does not exist" in err
+    # Non-Clover values are not checked here (vLLM's --spec-model semantics).
+    ns = parser.parse_args(["--model", "m", "--speculative-model", "some/draft-model"])
+    assert ns.spec_model == "some/draft-model"
+
+
+def test_serve_command_prints_clover_errors_as_one_line(monkeypatch, capsys) -> None:
+    """The wrapped `vllm serve` command turns the plugin's configuration errors into one
+    stderr line and exit 2; other exceptions pass through untouched."""
+    import types
+
+    from vllm_clover import frontend
+
+    class ServeSubcommand:
+        @staticmethod
+        def cmd(args):
+            raise args.error
+
+    fake = types.ModuleType(frontend.SERVE_MODULE)
+    fake.ServeSubcommand = ServeSubcommand
+    monkeypatch.setitem(__import__("sys").modules, frontend.SERVE_MODULE, fake)
+    frontend.install_serve_errors()
+    wrapped = ServeSubcommand.cmd
+    frontend.install_serve_errors()  # idempotent
+    assert ServeSubcommand.cmd is wrapped and getattr(wrapped, "__vllm_clover_wrapped__", False)
+
+    for error in (CloverCheckpointError("checkpoint directory /x does not exist"),
+                  CloverSpecError("num_speculative_tokens=9 is larger than the 4 heads")):
+        with pytest.raises(SystemExit) as excinfo:
+            ServeSubcommand.cmd(types.SimpleNamespace(error=error))
+        assert excinfo.value.code == 2
+        err = capsys.readouterr().err
+        assert err == f"vllm serve: error: {error}\n"
+    with pytest.raises(RuntimeError, match="engine"):
+        ServeSubcommand.cmd(types.SimpleNamespace(error=RuntimeError("engine died")))
+
+
+def test_serve_error_wrap_is_noop_without_the_cli(monkeypatch) -> None:
+    from vllm_clover import frontend
+
+    monkeypatch.delitem(__import__("sys").modules, frontend.SERVE_MODULE, raising=False)
+    frontend.install_serve_errors()  # nothing to wrap, nothing imported
+    assert frontend.SERVE_MODULE not in __import__("sys").modules
+
+
+# ============================================================================ runner fixes
+def test_discarded_rows_cpu_generators_are_hidden_for_clover_only() -> None:
+    """vLLM 0.32's partial-prefill generator rewind crashes on CPU generators; for Clover
+    engines the generators of discarded rows are hidden during sample_tokens."""
+    import types
+
+    import numpy as np
+
+    from vllm_clover.runner_hooks import hide_discarded_cpu_generators, wrap_sample_tokens
+
+    gens = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2),
+            3: torch.Generator().manual_seed(3)}
+    runner = types.SimpleNamespace(
+        drafter=types.SimpleNamespace(is_clover=True), execute_model_state=object(),
+        input_batch=types.SimpleNamespace(generators=gens, num_reqs=3),
+        discard_request_mask=types.SimpleNamespace(np=np.array([True, True, False, True])))
+    seen = {}
+
+    def orig(self, grammar_output):  # what vLLM's rewind loop would iterate over
+        seen["rows"] = sorted(self.input_batch.generators)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        wrap_sample_tokens(orig)(runner, None)
+    assert seen["rows"] == [2, 3]  # row 0 hidden (discarded); row 3 is past num_reqs
+    assert sorted(gens) == [0, 2, 3] and gens[0].initial_seed() == 1  # restored, even on error
+    runner.drafter.is_clover = False
+    assert hide_discarded_cpu_generators(runner) == {}

@@ -26,20 +26,29 @@ def test_every_vllm_patch_has_a_check_and_a_reason() -> None:
 
 
 def test_patches_are_installed_once() -> None:
+    from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     patches.apply_all()
-    before = (EngineArgs.create_speculative_config, EngineArgs.__dict__["add_cli_args"],
-              GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids)
+    patches._install_serve_errors()  # only wraps once the CLI module is imported (above)
+
+    def targets():
+        return (EngineArgs.create_speculative_config, EngineArgs.__dict__["add_cli_args"],
+                GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids,
+                SpeculativeConfig.use_eagle_block_drop, ServeSubcommand.__dict__["cmd"],
+                GPUModelRunner._input_fits_in_drafter, GPUModelRunner.sample_tokens)
+
+    before = targets()
     for patch in patches.CATALOGUE:  # applying again (e.g. a second plugin load) is a no-op
         patch.apply()
-    after = (EngineArgs.create_speculative_config, EngineArgs.__dict__["add_cli_args"],
-             GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids)
-    assert before == after
+    assert before == targets()
     assert all(getattr(f, "__vllm_clover_wrapped__", False) for f in (
         EngineArgs.create_speculative_config, EngineArgs.add_cli_args,
-        GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids))
+        GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids,
+        SpeculativeConfig.use_eagle_block_drop, ServeSubcommand.cmd,
+        GPUModelRunner._input_fits_in_drafter, GPUModelRunner.sample_tokens))
 
 
 def test_clover_architecture_is_registered() -> None:

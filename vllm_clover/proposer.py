@@ -82,6 +82,9 @@ class CloverProposer(MedusaProposer):
         self.options = clover_options(vllm_config)
         self.model: CloverForSpeculativeDecoding | None = None
         self._layer_names: set[str] = set()
+        # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
+        # None = off; else a list of (req_id, committed token ids, draft token ids).
+        self.records: list[tuple[str, list[int], list[int]]] | None = None
 
     # ------------------------------------------------------------------ loading
     def load_model(self, target_model: nn.Module) -> None:
@@ -137,7 +140,21 @@ class CloverProposer(MedusaProposer):
         k = min(scheduler_output.num_spec_tokens_to_schedule, self.num_speculative_tokens)
         if k <= 0:
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
-        return self._draft(z[last.to(x.device)], first.to(x.device), k, sampling_metadata, b)
+        drafts, probs = self._draft(z[last.to(x.device)], first.to(x.device), k, sampling_metadata, b)
+        if self.records is not None:
+            self._record(batch, positions.cpu()[last], drafts.cpu())
+        return drafts, probs
+
+    def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
+        """Log (req_id, committed tokens, drafts) for every request whose whole committed
+        sequence has been through the trunk (partial prefills are skipped: the scheduler
+        drops their drafts)."""
+        num_tokens = batch.num_tokens_no_spec_cpu_tensor
+        for i, req_id in enumerate(batch.req_ids):
+            n = int(num_tokens[i])
+            if int(last_positions[i]) == n - 2:
+                self.records.append((req_id, batch.token_ids_cpu_tensor[i, :n].tolist(),
+                                     drafts[i].tolist()))
 
     def _run_trunk(self, runner: Any, x: Tensor, y: Tensor, positions: Tensor, cm: Any,
                    slot_mappings: Any, n: int) -> Tensor:

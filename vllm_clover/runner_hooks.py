@@ -10,6 +10,18 @@ Both act only when the engine runs a Clover checkpoint through the medusa slot
   the attention metadata and the committed tokens, so route to ``propose_clover`` and
   publish its draft probabilities through the runner's own contract
   (``_draft_probs`` / ``_draft_prob_req_ids``, read by ``_get_spec_decode_draft_probs``).
+* ``_input_fits_in_drafter``: vLLM skips the drafter for the *whole batch* when any
+  request is within K tokens of the drafter's max length (EAGLE drafts at positions past
+  the sequence). Clover's trunk only runs at scheduled positions and the scheduler clips
+  drafts at max_model_len, so Clover always drafts: otherwise the other requests' trunk
+  KV for that step would never be written (stale entries, lower acceptance).
+* ``sample_tokens``: works around a vLLM 0.32 CPU bug. For a seeded request in a partial
+  prefill chunk, ``_bookkeeping_sync`` rewinds its generator with ``set_offset``, which
+  CPU generators do not have ("CPU Generator does not use offset"): the engine dies (plain
+  vLLM too; Clover's prefix-cache block drop makes such chunks more frequent). For Clover
+  engines the generators of those rows are hidden for the step: their sampled token and
+  drafts are discarded anyway, and the request's generator is left exactly as the rewind
+  intends (untouched by the partial step).
 """
 
 from __future__ import annotations
@@ -60,6 +72,49 @@ def wrap_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
     return propose_draft_token_ids
 
 
+def wrap_fits(orig: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(orig)
+    def _input_fits_in_drafter(self: Any, common_attn_metadata: Any) -> bool:
+        if getattr(getattr(self, "drafter", None), "is_clover", False):
+            return common_attn_metadata is not None
+        return orig(self, common_attn_metadata)
+
+    setattr(_input_fits_in_drafter, _MARK, True)
+    return _input_fits_in_drafter
+
+
+def wrap_sample_tokens(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        hidden = hide_discarded_cpu_generators(self)
+        try:
+            return orig(self, grammar_output)
+        finally:
+            if hidden:
+                self.input_batch.generators.update(hidden)
+
+    setattr(sample_tokens, _MARK, True)
+    return sample_tokens
+
+
+def hide_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
+    """Pop (and return) the CPU generators of rows whose sampled token this step will
+    discard (partial prefills), for Clover engines; the sampler's metadata holds the same
+    dict, so those rows sample from the global RNG for this step."""
+    if not getattr(getattr(runner, "drafter", None), "is_clover", False):
+        return {}
+    if getattr(runner, "execute_model_state", None) is None:
+        return {}
+    generators = runner.input_batch.generators
+    if not generators:
+        return {}
+    num_reqs = runner.input_batch.num_reqs
+    discard = runner.discard_request_mask.np[:num_reqs]
+    rows = [i for i, gen in generators.items()
+            if i < num_reqs and discard[i] and gen.device.type == "cpu"]
+    return {i: generators.pop(i) for i in rows}
+
+
 def install(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     """Replace ``cls.name`` by ``wrapper(original)`` unless already wrapped."""
     orig = getattr(cls, name)
@@ -77,3 +132,45 @@ def install_propose() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     install(GPUModelRunner, "propose_draft_token_ids", wrap_propose)
+
+
+def install_fits() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install(GPUModelRunner, "_input_fits_in_drafter", wrap_fits)
+
+
+def install_sample_tokens() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install(GPUModelRunner, "sample_tokens", wrap_sample_tokens)
+
+
+class CloverWorkerExtension:
+    """Worker mixin for ``worker_extension_cls`` (``LLM(..., worker_extension_cls=
+    "vllm_clover.runner_hooks.CloverWorkerExtension")``), reached with
+    ``llm.collective_rpc("clover_...")``: no insecure serialization needed.
+
+    Used by the tests to compare the drafts vLLM's Clover proposer made with the
+    pure-PyTorch reference; handy for debugging a checkpoint too.
+    """
+
+    def _clover_drafter(self) -> Any:
+        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        if not getattr(drafter, "is_clover", False):
+            raise RuntimeError("vllm-clover: this engine runs no Clover drafter")
+        return drafter
+
+    def clover_record_drafts(self, enable: bool = True) -> bool:
+        """Start (clearing the log) or stop logging every drafting step."""
+        self._clover_drafter().records = [] if enable else None
+        return enable
+
+    def clover_take_drafts(self) -> list[tuple[str, list[int], list[int]]]:
+        """Return and clear the log: (request id, committed token ids, drafts) per
+        request and step, for requests whose whole committed sequence was processed."""
+        drafter = self._clover_drafter()
+        records = drafter.records or []
+        if drafter.records is not None:
+            drafter.records = []
+        return records
