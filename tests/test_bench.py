@@ -70,3 +70,11 @@ def test_prompt_file_validation(tmp_path) -> None:
 def test_builtin_prompt_sets() -> None:
     records, _ = bench.load_prompts("mtbench", 80)
     assert len(records) == 80 and all(r["turns"] for r in records)
+
+
+def test_cli_dispatches_bench_and_fails_fast_on_bad_method(capsys) -> None:
+    from vllm_clover import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--methods", "vanilla,warp"])
+    assert "unknown method 'warp'" in str(exc.value)

@@ -10,8 +10,8 @@ Subcommands:
   train           train Clover heads for a target (docs/training.md)
   eval            held-out per-head accuracy and acceptance length of trained heads
   convert         convert an official Clover-2 checkpoint into this plugin's format
-
-A later issue adds ``bench``.
+  bench           side-by-side benchmark of vanilla / ngram / medusa / eagle / clover
+                  (``vllm-clover bench --help``; code in benchmarks/bench.py)
 """
 
 from __future__ import annotations
@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_parser(sub)
     _add_convert_parser(sub)
 
+    sub.add_parser("bench", help="side-by-side speculative-decoding benchmark (see --help)",
+                   add_help=False)
     sub.add_parser("vllm", help="run vLLM's CLI, e.g. `vllm-clover vllm serve MODEL`",
                    add_help=False)
     return parser
@@ -236,6 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "vllm":
         _vllm_main(argv[1:])
+        return
+    if argv and argv[0] == "bench":  # its own parser: benchmarks/bench.py
+        from benchmarks.bench import main as bench_main
+
+        bench_main(argv[1:])
         return
     parser = build_parser()
     if len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-"):
