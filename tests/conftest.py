@@ -87,9 +87,9 @@ def sensitize_drafter(drafter, trunk_scale: float = 60.0, head_scale: float = 15
     get gates ~1 (equal large q/k biases: cos(q, k) ~ 1) and v = scale * I, so
     u = x + trunk_scale * E[y] and s_i = s_{i-1} + head_scale * E[prev], and the Aug
     layers' attention output is amplified by attn_gain. The drafts are still bad
-    predictions, but on a period-1 text ("the the the ...") head 0 drafts the repeated
-    token with ~60% overlap with the target at temperature 0.8, so rejection sampling
-    both accepts and rejects.
+    predictions: the heads mostly copy the last token (q ~ one-hot on it), which a
+    repetitive text ("ho ho ho ...") makes right ~65% of the time at temperature 0.8, so
+    rejection sampling both accepts and rejects.
     """
     import torch
 
@@ -104,10 +104,62 @@ def sensitize_drafter(drafter, trunk_scale: float = 60.0, head_scale: float = 15
     return drafter
 
 
+# Prompt the sensitized drafter's heads are fitted to (tests/test_clover_e2e.py samples it).
+FIT_PROMPT = "Once upon a time there was a"
+
+
+def fit_heads_to_prompt(drafter, hf, tokenizer, prompt: str = FIT_PROMPT, samples: int = 32,
+                        new_tokens: int = 6, temperature: float = 0.8, ridge: float = 1e-2):
+    """Give the heads real acceptance on continuations of ``prompt``, by ridge regression.
+
+    The target (HF) samples ``samples`` continuations (T=0.8, top-p 0.95, fixed seed);
+    head0_proj is fitted so that head0_proj(z_t) ~ x_{t+1} (the target's pre-norm state
+    whose logits give token t+2; head_norm is the target's final norm), and the shared
+    head_proj so that head_proj([s_i; E[y]]) ~ x_{t+1+i} along the teacher-forced chain.
+    On fresh samples the drafts then overlap the target's distribution by ~0.4-1.0 (HF
+    estimate), so rejection sampling accepts and rejects. The trunk is left as is.
+    """
+    import torch
+
+    from vllm_clover.features import prenorm_hidden
+
+    def solve(a, b):
+        a1 = torch.cat([a, torch.ones(a.shape[0], 1)], 1).double()
+        reg = ridge * a1.pow(2).mean() * torch.eye(a1.shape[1], dtype=torch.float64)
+        w = torch.linalg.solve(a1.T @ a1 + reg, a1.T @ b.double())
+        return w[:-1].T.float(), w[-1].float()
+
+    with torch.inference_mode():
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        torch.manual_seed(0)
+        seqs = hf.generate(ids.expand(samples, -1), attention_mask=torch.ones(samples, ids.shape[1], dtype=torch.long),
+                           max_new_tokens=new_tokens, do_sample=True, temperature=temperature, top_p=0.95,
+                           top_k=0, pad_token_id=0)
+        x = prenorm_hidden(hf.model, hf.model.norm, seqs, torch.ones_like(seqs))
+        z, _ = drafter.trunk(x[:, :-1], seqs[:, 1:])
+        length, first = seqs.shape[1], ids.shape[1] - 2
+        hidden = z.shape[-1]
+        w, b = solve(z[:, first:length - 2].reshape(-1, hidden), x[:, first + 1:length - 1].reshape(-1, hidden))
+        drafter.head0_proj.weight.copy_(w)
+        drafter.head0_proj.bias.copy_(b)
+        inputs, targets, state = [], [], z
+        for i in range(1, 3):
+            prev = seqs[:, 1 + i:]
+            e = drafter.embed(prev, state)
+            state = drafter.head_decoder(state[:, :prev.shape[1]], e)
+            inputs.append(torch.cat([state, e], -1)[:, first:length - 2 - i].reshape(-1, 2 * hidden))
+            targets.append(x[:, first + 1 + i:length - 1].reshape(-1, hidden))
+        w, b = solve(torch.cat(inputs), torch.cat(targets))
+        drafter.head_proj.weight.copy_(w)
+        drafter.head_proj.bias.copy_(b)
+    return drafter
+
+
 @pytest.fixture(scope="session")
 def sensitive_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Clover-2 checkpoint (4 heads, float32) built from the target and sensitized
-    (see :func:`sensitize_drafter`): for tests that compare drafts or need acceptance."""
+    """A Clover-2 checkpoint (4 heads, float32) built from the target, sensitized (see
+    :func:`sensitize_drafter`) and with heads fitted to :data:`FIT_PROMPT`
+    (:func:`fit_heads_to_prompt`): for tests that compare drafts or need acceptance."""
     import torch
     import transformers
 
@@ -116,9 +168,11 @@ def sensitive_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPat
     from vllm_clover.model import build_drafter
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     torch.manual_seed(0)
     drafter = sensitize_drafter(build_drafter(CloverConfig.from_target_config(hf.config, num_heads=4),
                                               target=hf))
+    fit_heads_to_prompt(drafter, hf, tokenizer)
     out = tmp_path_factory.mktemp("clover-sensitive-ckpt")
     save_drafter(out, drafter, dtype=torch.float32)
     return out

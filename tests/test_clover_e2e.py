@@ -37,9 +37,10 @@ LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 <
 CLOVER_KWARGS = dict(worker_extension_cls="vllm_clover.runner_hooks.CloverWorkerExtension",
                      per_request_spec_decode_metrics="summary")
 K = 3
-# Sampling test: a period-1 prompt on which the sensitized drafter's head 0 overlaps the
-# target's distribution by ~60% at T=0.8, so drafts are accepted and rejected.
-SAMPLE_PROMPT = "the the the the the the the the the the"
+# Sampling test: the sensitized drafter's heads copy the last token (q ~ one-hot on it);
+# after this prompt the target repeats " ho" with p ~ 0.65 at T=0.8 (HF estimate), so
+# drafts are both accepted and rejected.
+SAMPLE_PROMPT = "ho ho ho ho ho ho ho ho ho ho ho ho"
 NUM_SAMPLES = 480
 SAMPLE_TOKENS = 4
 

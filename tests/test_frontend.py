@@ -311,3 +311,21 @@ def test_discarded_rows_cpu_generators_are_hidden_for_clover_only() -> None:
     assert sorted(gens) == [0, 2, 3] and gens[0].initial_seed() == 1  # restored, even on error
     runner.drafter.is_clover = False
     assert hide_discarded_cpu_generators(runner) == {}
+
+
+def test_cpu_expand_kernel_fix() -> None:
+    """vLLM 0.32's CPU fallback of the rejection sampler's expand_kernel drops its result
+    for float / int32 tensors (per-token temperature, top-p, top-k of verification rows);
+    the plugin's replacement expands correctly through vLLM's own entry point."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    from vllm_clover import patches
+
+    patches.apply_all()
+    CpuPlatform.register_triton_kernel_overrides()  # what each CPU worker does after plugins
+    cu = torch.tensor([2, 3, 6], dtype=torch.int32)
+    temp = expand_batch_to_tokens(torch.tensor([0.8, 0.0, 1.3]), cu, 6, replace_from=0, replace_to=1)
+    assert temp.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.3, 1.3, 1.3])
+    top_k = expand_batch_to_tokens(torch.tensor([5, 7, 9], dtype=torch.int32), cu, 6)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 7, 9, 9, 9]

@@ -244,6 +244,9 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         item = ds[i]
         parts.append(evaluate_sequence(drafter, item["hidden"].float(), item["input_ids"],
                                        item["loss_mask"], norm_w, eps, lm_head, draft_head, k, eos_id))
+    conv_index = _conv_indices(ds)
+    per_sequence = [{"conversation": convs[conv_index[i]].id, "decode_steps": len(p["walks"][k]),
+                     "accepted": int(sum(p["walks"][k]))} for i, p in enumerate(parts)]
     report = {
         "heads": str(Path(args.heads).resolve()),
         "target": str(target),
@@ -254,12 +257,24 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         **summarize(parts, k),
         "args": asdict(args),
         "wall_time_s": round(time.perf_counter() - t_start, 1),
+        "per_sequence_kmax": per_sequence,
     }
     out = Path(args.json_path) if args.json_path else Path(args.heads) / f"eval_{_slug(args.data)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     report["json_path"] = str(out)
     return report
+
+
+def _conv_indices(ds) -> list[int]:
+    """Index (in the evaluated conversation list) of every sequence of a feature cache."""
+    from safetensors import safe_open
+
+    out: list[int] = []
+    for path in ds.files:
+        with safe_open(str(path), "pt") as f:
+            out.extend(f.get_tensor("conv_index").tolist())
+    return out
 
 
 def _slug(source: str) -> str:

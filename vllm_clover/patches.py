@@ -223,6 +223,35 @@ def _check_runner_sample_tokens() -> None:
     assert "execute_model_state" in _source(GPUModelRunner.sample_tokens)
 
 
+def _install_cpu_expand_fix() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_cpu_expand_fix()
+
+
+def _check_cpu_expand_fix() -> None:
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import dispatcher
+
+    from vllm_clover.runner_hooks import EXPAND_KERNEL
+
+    # The bug worked around, read from vLLM's file (the module attribute may be ours):
+    # int64 copies of output and input, the result never copied back.
+    src = Path(importlib.util.find_spec("vllm.utils.cpu_triton_utils").origin).read_text()
+    body = src[src.index("def _expand_kernel_impl("):]
+    body = body[: body.index("\ndef ", 1)]
+    assert "_ensure_int64(output)" in body and ".copy_(" not in body, \
+        "vLLM's CPU expand_kernel fallback changed (fixed?): re-check, maybe drop this patch"
+    assert "cpu_tl._expand_kernel_impl" in _source(CpuPlatform.register_triton_kernel_overrides)
+    module, name = EXPAND_KERNEL.rsplit(".", 1)
+    assert hasattr(importlib.import_module(module), name)
+    assert callable(dispatcher.register_kernels) and isinstance(dispatcher._registry, dict)
+
+
 def _source(obj: object) -> str:
     import inspect
 
@@ -329,6 +358,20 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM passes full target state to plugin proposers",
         apply=_install_runner_propose,
         check=_check_runner_propose,
+    ),
+    Patch(
+        name="cpu-rejection-sampler-expand-kernel",
+        target="vllm.utils.cpu_triton_utils._expand_kernel_impl (registered for rejection_sampler.expand_kernel)",
+        why=(
+            "vLLM 0.32 CPU bug, every speculative method: the C++ fallback of the rejection "
+            "sampler's expand_kernel writes into an int64 copy of its output, so per-token "
+            "temperature / top-k / top-p of verification rows are uninitialised memory and "
+            "sampling (T > 0) is not lossless. Replaced by a torch implementation, "
+            "process-wide (a platform kernel, not engine behaviour)."
+        ),
+        remove_when="vLLM's CPU expand_kernel fallback copies its result back (check fails then)",
+        apply=_install_cpu_expand_fix,
+        check=_check_cpu_expand_fix,
     ),
     Patch(
         name="runner-clover-always-drafts",

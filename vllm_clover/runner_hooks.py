@@ -22,6 +22,13 @@ Both act only when the engine runs a Clover checkpoint through the medusa slot
   engines the generators of those rows are hidden for the step: their sampled token and
   drafts are discarded anyway, and the request's generator is left exactly as the rewind
   intends (untouched by the partial step).
+
+Plus one CPU kernel fix (process-wide, every engine): vLLM 0.32's C++ fallback for the
+rejection sampler's ``expand_kernel`` casts its *output* to int64 and never copies the
+result back, so the per-token temperatures / top-k / top-p of the verification rows are
+uninitialised memory whenever a batch samples with temperature > 0: speculative decoding
+with sampling is not lossless on CPU, for every method. :func:`expand_kernel_impl`
+replaces it.
 """
 
 from __future__ import annotations
@@ -113,6 +120,43 @@ def hide_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
     rows = [i for i, gen in generators.items()
             if i < num_reqs and discard[i] and gen.device.type == "cpu"]
     return {i: generators.pop(i) for i in rows}
+
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any,
+                       replace_to: Any, MAX_NUM_TOKENS: Any = None) -> None:  # noqa: N803 (kernel arg)
+    """CPU ``expand_kernel``: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to),
+    in the output's own dtype (float temperatures / top-p, int top-k)."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.long)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype, device=input_val.device),
+                         input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
+
+
+setattr(expand_kernel_impl, _MARK, True)
+
+
+def install_cpu_expand_fix() -> None:
+    """Swap vLLM's broken CPU fallback (``vllm.utils.cpu_triton_utils._expand_kernel_impl``)
+    for :func:`expand_kernel_impl`. Plugins load before the worker registers its CPU kernel
+    overrides (``worker_base.py`` ``init_worker``), which reads the module attribute; if
+    the overrides are already registered in this process, re-register ours."""
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    if getattr(cpu_triton_utils._expand_kernel_impl, _MARK, False):
+        return
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is not None and not getattr(registered[1], _MARK, False):
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
 
 
 def install(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

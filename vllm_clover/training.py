@@ -633,11 +633,15 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     try:
         while step < total_steps:
             epoch, j = plan.locate(step)
+            wall0, cpu0 = time.perf_counter(), time.process_time()
             batch = collate_features([ds[i] for i in plan.epoch(epoch)[j]])
             record = train_step(drafter, optimizer, scheduler, batch, norm_w, eps, lm_head_bf16, vocab, args)
             step += 1
             done_here += 1
-            history.append({"step": step, "epoch": epoch, **record})
+            # CPU time next to wall time: on a shared machine the two differ a lot.
+            history.append({"step": step, "epoch": epoch, **record,
+                            "wall_s": round(time.perf_counter() - wall0, 3),
+                            "cpu_s": round(time.process_time() - cpu0, 3)})
             if bar is not None:
                 recent = _window_metrics(history, 20)
                 bar.set_postfix_str(f"loss={recent['loss']:.3f} acc={_fmt_acc(recent['acc'])}", refresh=False)
@@ -674,6 +678,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
             [h["vocab"] for h in history])), 1)} if vocab is not None else "full"),
         "wall_time_s": {"data": round(t_data, 1), "features": round(t_features, 1),
                         "training": round(t_train, 1),
+                        "training_cpu": round(sum(h.get("cpu_s", 0.0) for h in history), 1),
                         "total_this_call": round(time.perf_counter() - t_start, 1)},
         "final_train_metrics": {"window_steps": final["steps"], "loss": round(final["loss"], 4),
                                 "acc_per_head": [round(a, 4) for a in final["acc"]]},
