@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import shutdown_llm
+from tests.conftest import FIT_PROMPT, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +37,9 @@ LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 <
 CLOVER_KWARGS = dict(worker_extension_cls="vllm_clover.runner_hooks.CloverWorkerExtension",
                      per_request_spec_decode_metrics="summary")
 K = 3
-# Sampling test: the sensitized drafter's heads copy the last token (q ~ one-hot on it);
-# after this prompt the target repeats " ho" with p ~ 0.65 at T=0.8 (HF estimate), so
-# drafts are both accepted and rejected.
-SAMPLE_PROMPT = "ho ho ho ho ho ho ho ho ho ho ho ho"
+# Sampling test prompt: the sensitized drafter's heads are fitted to its continuations
+# (tests/conftest.py::fit_heads_to_prompt), so drafts are both accepted and rejected.
+SAMPLE_PROMPT = FIT_PROMPT
 NUM_SAMPLES = 480
 SAMPLE_TOKENS = 4
 
@@ -304,31 +303,35 @@ def _reference_agreement(default_model_dir: Path, ckpt: Path, records: list) -> 
                 BROKEN[5]: torch.cat([z[:1], z[:-1]]),  # row c-3 where c-2 is right
             }
         # One batched chain per variant (and draft length): GEMMs, not thousands of GEMVs.
+        # Identical (sequence, drafts) records (the repeated batch) are checked once; the
+        # broken variants only through head 0 (the vocabulary matmuls dominate the cost).
+        unique = {(longest[rid], tuple(t), tuple(d)): rid for rid, t, d in records}
         agree: Counter = Counter()
         per_req: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        total = 0
-        for k in sorted({len(d) for *_, d in records}):
-            group = [(rid, t, d) for rid, t, d in records if len(d) == k]
-            got = torch.tensor([d for *_, d in group])
-            firsts = torch.tensor([t[-1] for _, t, _ in group])
+        total = total_first = 0
+        for k in sorted({len(d) for *_, d in unique}):
+            group = [(seq, t, d, rid) for (seq, t, d), rid in unique.items() if len(d) == k]
+            got = torch.tensor([d for _, _, d, _ in group])
+            firsts = torch.tensor([t[-1] for _, t, _, _ in group])
             for name in ("correct", *BROKEN):
                 rows = []
-                for rid, tokens, _ in group:
-                    seq = longest[rid]
-                    assert seq[:len(tokens)] == tuple(tokens)
+                for seq, tokens, _, _ in group:
+                    assert seq[:len(tokens)] == tokens
                     rows.append(trunks[seq][name][len(tokens) - 2])
                 model_ = swapped if name == BROKEN[4] else theta if name == BROKEN[3] else drafter
-                mine, _ = model_.draft_chain(torch.stack(rows), firsts, k=k)
-                hits = (mine == got)
+                mine, _ = model_.draft_chain(torch.stack(rows), firsts, k=k if name == "correct" else 1)
+                hits = mine == got[:, :mine.shape[1]]
                 agree[name] += int(hits.sum())
                 if name == "correct":
-                    for (rid, _, _), row in zip(group, hits.sum(1).tolist()):
+                    agree["correct (head 0)"] += int(hits[:, 0].sum())
+                    for (*_, rid), row in zip(group, hits.sum(1).tolist()):
                         per_req[rid][0] += row
                         per_req[rid][1] += k
             total += got.numel()
-    return {"agreement": {name: n / total for name, n in agree.items()},
-            "per_request": {rid: a / n for rid, (a, n) in per_req.items()},
-            "records": len(records), "sequences": len(trunks)}
+            total_first += got.shape[0]
+    fractions = {name: n / (total if name == "correct" else total_first) for name, n in agree.items()}
+    return {"agreement": fractions, "per_request": {rid: a / n for rid, (a, n) in per_req.items()},
+            "records": len(records), "unique_records": len(unique), "sequences": len(trunks)}
 
 
 def test_vllm_drafts_equal_pytorch_reference(results: dict, default_model_dir: Path,
@@ -344,14 +347,15 @@ def test_vllm_drafts_equal_pytorch_reference(results: dict, default_model_dir: P
 
     Each broken reference models a wiring bug (trunk input shift, post-norm states, lost
     paged KV, RoPE base, weight-loading shard mix-up, head-input row); each must agree
-    far less, which shows this comparison detects that bug with this drafter.
+    far less on the head-0 draft (observed 0.02-0.8, bound 0.85), which shows this
+    comparison detects that bug with this drafter.
     """
     records = results["clover"]["draft_records"]
     report = _reference_agreement(default_model_dir, sensitive_ckpt_dir, records)
     print(report)
     agreement = report["agreement"]
-    assert len(report["per_request"]) == 2 * len(PROMPTS) + 3
     assert report["records"] >= (2 * len(PROMPTS) + 3) * 8
+    assert report["sequences"] == len(PROMPTS) + 3
     assert agreement["correct"] >= 0.97, report
     # The request that hit a prefix-cache block boundary with a different next token:
     # exact only because the last matched block is recomputed (the block-drop patch).
