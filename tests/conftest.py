@@ -29,6 +29,43 @@ def default_model_dir() -> Path:
     return ensure_default_model(verbose=False)
 
 
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random 2-layer Llama (hidden 32) with the default model's tokenizer and template
+    (training / evaluation / baseline tests: features and steps take seconds)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def convs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Eight short synthetic chats with repetitive answers (ids never in the held-out split)."""
+    from vllm_clover.data import Conversation, save_conversations
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    convs = []
+    for i in range(8):
+        answer = " ".join(words[(i + j) % len(words)] for j in range(40))
+        convs.append(Conversation(f"synthetic-{i}", [{"role": "user", "content": f"Count from {words[i]}."},
+                                                     {"role": "assistant", "content": answer}]))
+    path = tmp_path_factory.mktemp("data") / "convs.jsonl"
+    save_conversations(convs, path)
+    return path
+
+
 def venv_bin(name: str) -> str:
     """Path of a console script installed next to the running interpreter."""
     path = Path(sys.executable).parent / name
@@ -181,20 +218,12 @@ def sensitive_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPat
 # Known open defects, found by these tests at the end of the first session and not yet
 # fixed. Listed in one place so they stay visible (reported as XFAIL, and as XPASS once
 # fixed, at which point the entry must go). See the session note on issue 4.
-KNOWN_FAILURES = {
-    "tests/test_clover_e2e.py::test_seeded_request_with_chunked_prefill":
-        "T>0 with Clover on CPU: seeded output differs from plain vLLM (sampler state / CPU "
-        "expand_kernel fallback; fix in progress in runner_hooks.py)",
-    "tests/test_clover_e2e.py::test_sampling_distribution_matches_plain_vllm":
-        "T>0 with Clover on CPU: token distribution differs from plain vLLM (same defect)",
-    "tests/test_clover_serve.py::test_prometheus_spec_decode_counters":
-        "spec-decode counters inconsistent under the server's mixed T>0 load (same defect)",
-    "tests/test_clover_serve.py::test_hostile_requests_get_4xx_and_server_keeps_serving":
-        "a hostile request makes AsyncLLM's output_handler fail with Clover enabled: server dies",
-    "tests/test_clover_serve.py::test_concurrent_mixed_clients":
-        "mixed greedy/T>0 concurrent clients: sampled outputs wrong (same T>0 defect)",
-    "tests/test_clover_serve.py::test_serve_bad_checkpoint_fails_with_one_line":
-        "errored after the server crash above in the last run; unverified since",
+KNOWN_FAILURES: dict[str, str] = {
+    # Empty: the entries once listed here (T>0 sampling and seeded chunked prefill: vLLM
+    # CPU bugs now worked around; Prometheus counters: the test read `_created` samples;
+    # hostile requests: n=10000 is valid under vLLM's default limit, now capped with
+    # VLLM_MAX_N_SEQUENCES; concurrency and CLI errors) pass; see docs/design-proposer.md,
+    # "Verification of the remaining gaps".
 }
 
 

@@ -26,6 +26,7 @@ MAX_MODEL_LEN = 2048
 FLAGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30),
          "--max-model-len", str(MAX_MODEL_LEN)]
 K = 3
+MAX_N = 64
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,11 @@ def server(default_model_dir: Path, clover_ckpt_dir: Path, tmp_path_factory: pyt
     cmd = [venv_bin("vllm"), "serve", str(default_model_dir), "--port", str(port), "--host", "127.0.0.1",
            *FLAGS, "--speculative-model", f"clover:{clover_ckpt_dir}", "--num-speculative-tokens", str(K),
            "--per-request-spec-decode-metrics", "summary"]
-    with running_server(cmd, port, tmp_path_factory.mktemp("serve") / "serve.log") as srv:
+    # vLLM accepts n up to VLLM_MAX_N_SEQUENCES (default 16384): n=10000 is a valid request
+    # that keeps a CPU server busy for many minutes (it is aborted when the client goes).
+    # Operators cap it with this variable; the hostile-request test relies on that cap.
+    env = {"VLLM_MAX_N_SEQUENCES": str(MAX_N)}
+    with running_server(cmd, port, tmp_path_factory.mktemp("serve") / "serve.log", env=env) as srv:
         srv.model = str(default_model_dir)
         yield srv
     # Ctrl-C: exit 0 and no EngineCore / worker left behind.
@@ -160,10 +165,11 @@ def test_per_request_spec_decode_metrics(server) -> None:
 
 
 def _prometheus(server) -> dict[str, float]:
+    """The spec-decode counters' ``_total`` samples (``_created`` samples are timestamps)."""
     text = requests.get(server.url + "/metrics", timeout=30).text
     out = {}
     for line in text.splitlines():
-        if line.startswith("vllm:spec_decode"):
+        if line.startswith("vllm:spec_decode") and "_total{" in line:
             name, value = line.rsplit(" ", 1)
             if "_per_pos" in name:
                 pos = name.split('position="')[1].split('"')[0]
@@ -191,7 +197,11 @@ HOSTILE = [
     ("bad JSON", "/v1/completions", b'{"model": "m", "prompt": "hi", '),
     ("not an object", "/v1/completions", b'[1, 2, 3]'),
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -5}),
-    ("huge n", "/v1/completions", {"prompt": "hi", "n": 10000, "temperature": 0.8, "max_tokens": 4}),
+    ("huge n (above VLLM_MAX_N_SEQUENCES)", "/v1/completions",
+     {"prompt": "hi", "n": 10000, "temperature": 0.8, "max_tokens": 4}),
+    ("n above vLLM's default limit 16384", "/v1/completions",
+     {"prompt": "hi", "n": 10 ** 6, "temperature": 0.8, "max_tokens": 4}),
+    ("n = 0", "/v1/completions", {"prompt": "hi", "n": 0, "max_tokens": 4}),
     ("n > 1 greedy", "/v1/completions", {"prompt": "hi", "n": 3, "temperature": 0, "max_tokens": 4}),
     ("prompt longer than max_model_len", "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 4}),
     ("max_tokens beyond max_model_len", "/v1/completions", {"prompt": "hi", "max_tokens": 10 * MAX_MODEL_LEN}),
@@ -222,9 +232,12 @@ def test_hostile_requests_get_4xx_and_server_keeps_serving(server) -> None:
     normal: dict = {}
 
     def background() -> None:
-        normal["text"] = _stream(server, "/v1/completions", {
+        # ignore_eos: at T=0.8 the model may sample end-of-text first (an empty, valid answer).
+        normal["text"], chunks = _stream(server, "/v1/completions", {
             "model": server.model, "prompt": "Write a short story about a robot.", "max_tokens": 48,
-            "temperature": 0.8, "top_p": 0.95})[0]
+            "temperature": 0.8, "top_p": 0.95, "ignore_eos": True,
+            "stream_options": {"include_usage": True}})
+        normal["usage"] = next((c["usage"] for c in chunks if c.get("usage")), None)
 
     thread = threading.Thread(target=background)
     thread.start()
@@ -237,6 +250,7 @@ def test_hostile_requests_get_4xx_and_server_keeps_serving(server) -> None:
     assert not bad, bad
     assert statuses["unknown model"][0] == 404
     assert normal.get("text", {}).get(0), normal
+    assert normal["usage"]["completion_tokens"] == 48, normal
     assert requests.get(server.url + "/health", timeout=30).status_code == 200
     assert _completion(server, max_tokens=8)["usage"]["completion_tokens"] == 8
 
