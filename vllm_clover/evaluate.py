@@ -1,4 +1,4 @@
-"""Held-out evaluation of trained Clover heads (``vllm-clover eval``).
+"""Held-out evaluation of trained Clover heads and Medusa / EAGLE baselines (``vllm-clover eval``).
 
 What is measured (also in docs/training.md)
 -------------------------------------------
@@ -15,9 +15,13 @@ g_t = argmax LMHead(RMSNorm(x_t)): the target's greedy choice for position t+1.
 * **Per-head top-1 accuracy (teacher-forced).** Head i at position t (fed the true
   tokens y_{t+1} .. y_{t+1+i}) predicts position t+2+i; it is correct when its argmax is
   g_{t+1+i}. Counted over t with y_{t+1+i} an assistant token (the training mask).
+  Medusa: head i reads only h-bar_t (no tokens). EAGLE: "head" i is draft step i, fed the
+  true tokens but its own predicted features (baselines.eagle_predictions).
 * **Chain acceptance.** At each start position t with y_{t+1} an assistant token other
   than end-of-turn, the heads draft a greedy chain d_0 .. d_{K-1} from z_t and y_{t+1}
-  (``CloverDrafter.draft_chain``: each head feeds on the previous head's draft). Draft
+  (``CloverDrafter.draft_chain``: each head feeds on the previous head's draft; Medusa:
+  each head independently from h-bar_t; EAGLE: autoregressively on its own features and
+  drafts, as vLLM's proposer, ``baselines.eagle_chain``). Draft
   d_j is accepted while every earlier one was, and d_j == g_{t+1+j} (the target's greedy
   token after the prefix y_{<=t+1}, d_0 .. d_{j-1}). The target state for that prefix is
   only known while the prefix stays on the stored text, so the count also stops after an
@@ -43,7 +47,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +57,10 @@ from .training import (TrainingError, check_target, feature_cache_dir, resolve_t
                        split_sharegpt)
 
 Tensor = torch.Tensor
+# predict(x [L, H] float32, shifted [L], starts [n], k, draft_head [V, H]) ->
+#   (o_i [L-i, H] per head: head i's teacher-forced output at t, predicting y_{t+2+i};
+#    greedy drafts [n, k] from each start, d_j predicting y_{t+2+j})
+Predictor = Callable[[Tensor, Tensor, Tensor, int, Tensor], tuple[list[Tensor], Tensor]]
 # Small shards: the float32 held-out forward is slow on CPU; progress is saved per shard.
 EVAL_SHARD_TOKENS = 16384
 
@@ -126,11 +134,41 @@ def decode_walk(accepted: Tensor, starts: Tensor, valid_start: Tensor, k: int) -
 
 
 @torch.no_grad()
-def evaluate_sequence(drafter, x: Tensor, ids: Tensor, loss_mask: Tensor, norm_w: Tensor, eps: float,
-                      lm_head: Tensor, draft_head: Tensor, k: int, eos_id: int) -> dict[str, Any]:
+def clover_predictions(drafter, x: Tensor, shifted: Tensor, starts: Tensor, k: int,
+                       draft_head: Tensor) -> tuple[list[Tensor], Tensor]:
+    """:data:`Predictor` of a Clover drafter: teacher-forced head outputs + greedy chains."""
+    length = x.shape[0]
+    z, _ = drafter.trunk(x[None], shifted[None])
+    z = z[0]
+    outputs, state = [], z
+    for i in range(drafter.config.num_heads):
+        state = state[: max(length - i, 0)]
+        state, o = drafter.head_step(state, shifted[i:], i)
+        outputs.append(o)
+    drafts, _ = drafter.draft_chain(z[starts], shifted[starts], k=k, lm_head=draft_head)
+    return outputs, drafts
+
+
+def predictor(method: str, drafter, norm_w: Tensor, eps: float) -> Predictor:
+    """The :data:`Predictor` of a loaded drafter; Medusa and EAGLE read h-bar_t = RMSNorm(x_t)."""
+    from functools import partial
+
+    from . import baselines
+    from .features import rms_norm
+
+    if method == "clover":
+        return partial(clover_predictions, drafter)
+    fn = baselines.medusa_predictions if method == "medusa" else baselines.eagle_predictions
+    return lambda x, *rest: fn(drafter, rms_norm(x, norm_w, eps), *rest)
+
+
+@torch.no_grad()
+def evaluate_sequence(predict: Predictor, x: Tensor, ids: Tensor, loss_mask: Tensor, norm_w: Tensor,
+                      eps: float, lm_head: Tensor, draft_head: Tensor, k: int, eos_id: int) -> dict[str, Any]:
     """Counts for one sequence. x [L, H] float32, ids [L] long, loss_mask [L] (1 = assistant).
 
-    ``lm_head`` [V, H] float32 judges (target); ``draft_head`` [V, H] is used by the drafter.
+    ``predict``: the drafter (:func:`predictor`); ``lm_head`` [V, H] float32 judges
+    (target); ``draft_head`` [V, H] is used by the drafter.
     """
     length = ids.shape[0]
     shifted = torch.zeros_like(ids)
@@ -138,22 +176,17 @@ def evaluate_sequence(drafter, x: Tensor, ids: Tensor, loss_mask: Tensor, norm_w
     m = torch.zeros(length, dtype=torch.bool)
     m[:-1] = loss_mask[1:].bool()  # m[t]: y_{t+1} is an assistant token
     greedy = target_greedy(x, norm_w, eps, lm_head)
-    z, _ = drafter.trunk(x[None], shifted[None])
-    z = z[0]
+    valid_start = m & (shifted != eos_id)
+    starts = valid_start.nonzero(as_tuple=True)[0]
+    outputs, drafts = predict(x, shifted, starts, k, draft_head)
     # teacher-forced per-head accuracy (training mask loss_mask[:, i:])
     correct, total = [], []
-    state = z
-    for i in range(drafter.config.num_heads):
-        state = state[: max(length - i, 0)]
-        state, o = drafter.head_step(state, shifted[i:], i)
+    for i, o in enumerate(outputs):
         rows = m[i:].nonzero(as_tuple=True)[0]  # t with y_{t+1+i} assistant
         pred = F.linear(o[rows].to(draft_head.dtype), draft_head).argmax(-1)
         correct.append(int((pred == greedy[rows + 1 + i]).sum()))
         total.append(len(rows))
     # chains from every start position
-    valid_start = m & (shifted != eos_id)
-    starts = valid_start.nonzero(as_tuple=True)[0]
-    drafts, _ = drafter.draft_chain(z[starts], shifted[starts], k=k, lm_head=draft_head)
     accepted = chain_accepts(drafts, starts, greedy, ids, eos_id)
     walks = {kk: decode_walk(accepted, starts, valid_start, kk) for kk in range(1, k + 1)}
     return {"correct": correct, "total": total, "accepted": accepted.tolist(), "walks": walks}
@@ -207,7 +240,10 @@ def heldout_conversations(source: str, target: Path, max_new_tokens: int = 256):
 
 
 def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
-    """Run the held-out evaluation; returns (and writes) the JSON report."""
+    """Run the held-out evaluation; returns (and writes) the JSON report.
+
+    ``args.heads`` may be a Clover, Medusa or EAGLE checkpoint (told apart by config.json)."""
+    from .baselines import checkpoint_method, load_baseline
     from .checkpoint import load_drafter
     from .features import FeatureDataset, extract_features, load_target_head
 
@@ -216,12 +252,23 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     target = resolve_target(args.target)
     target_config = check_target(target)
-    drafter = load_drafter(args.heads, target_config=target_config)  # float32, eval mode
+    method = checkpoint_method(args.heads)
+    if method == "clover":
+        drafter = load_drafter(args.heads, target_config=target_config)  # float32, eval mode
+    else:
+        drafter = load_baseline(args.heads, target_config=target_config)
     k = args.k or drafter.config.num_heads
-    if not 1 <= k <= drafter.config.num_heads:
-        raise TrainingError(f"-k {k} must be in 1..{drafter.config.num_heads} (the number of heads)")
-    norm_w, eps, lm_head, _embed = load_target_head(target, dtype=torch.float32)
-    drafter.bind_target(lm_head)
+    # EAGLE is one autoregressive draft model: any chain length; the others have K heads.
+    k_max = None if method == "eagle" else drafter.config.num_heads
+    if k < 1 or (k_max is not None and k > k_max):
+        bound = f"in 1..{k_max} (the number of heads)" if k_max else ">= 1"
+        raise TrainingError(f"-k {k} must be {bound}")
+    norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
+    if method == "clover":
+        drafter.bind_target(lm_head)
+    else:
+        drafter.bind_target(lm_head, embed)
+    predict = predictor(method, drafter, norm_w, eps)
     draft_head = lm_head.to(getattr(torch, args.draft_dtype))
     convs, label = heldout_conversations(args.data, target, args.distill_max_new_tokens)
     if args.max_conversations:
@@ -242,13 +289,14 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
                      mininterval=1.0 if sys.stderr.isatty() else 30.0)
     for i in items:
         item = ds[i]
-        parts.append(evaluate_sequence(drafter, item["hidden"].float(), item["input_ids"],
+        parts.append(evaluate_sequence(predict, item["hidden"].float(), item["input_ids"],
                                        item["loss_mask"], norm_w, eps, lm_head, draft_head, k, eos_id))
     conv_index = _conv_indices(ds)
     per_sequence = [{"conversation": convs[conv_index[i]].id, "decode_steps": len(p["walks"][k]),
                      "accepted": int(sum(p["walks"][k]))} for i, p in enumerate(parts)]
     report = {
         "heads": str(Path(args.heads).resolve()),
+        "method": method,
         "target": str(target),
         "data": label,
         "feature_cache": str(cache),
@@ -283,7 +331,7 @@ def _slug(source: str) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of the report."""
-    lines = [f"heads {report['heads']}", f"held-out data: {report['data']} "
+    lines = [f"heads {report['heads']} ({report.get('method', 'clover')})", f"held-out data: {report['data']} "
              f"({report['num_sequences']} sequences, {report['num_start_positions']} start positions)",
              "", "head  top-1 acc (teacher-forced)  positions"]
     for i, (a, n) in enumerate(zip(report["per_head_accuracy"], report["per_head_positions"])):

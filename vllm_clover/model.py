@@ -472,6 +472,30 @@ def init_from_target(drafter: CloverDrafter, target: nn.Module | Mapping[str, Te
     return drafter
 
 
+@torch.no_grad()
+def match_token_value_scale(drafter: CloverDrafter, state_rms: Mapping[str, float], embed_rms: float) -> dict[str, float]:
+    """Re-initialise each Attention Decoder's value projection as ``s * I`` (bias 0), with
+    ``s = state_rms[name] / embed_rms``, so that the token term ``a_j v_j`` enters at the
+    scale of the state it is added to (times the cosine gate, |a_j| ~ 0.1 at init).
+
+    Why: the official init (``v ~ U(0, 0.01)``) makes the token's contribution vanish when
+    the state is much larger than an embedding. On SmolLM2 the trunk's input x_t (the
+    target's pre-norm residual stream) has an RMS of ~33 and token embeddings ~0.13, so
+    ``AttnDec_1`` starts -- and after hundreds of CPU steps still is -- blind to the token
+    the target just sampled (docs/training.md). ``state_rms`` maps decoder attribute names
+    (``trunk_decoder``, ``head_decoder``, ``head_decoders.i``) to the RMS of their ``h``
+    input. Returns the scales used.
+    """
+    scales = {}
+    for name, module in drafter.named_modules():
+        if isinstance(module, AttentionDecoder) and name in state_rms:
+            scale = float(state_rms[name]) / float(embed_rms)
+            module.v.weight.copy_(scale * torch.eye(module.v.weight.shape[0]))
+            nn.init.zeros_(module.v.bias)
+            scales[name] = scale
+    return scales
+
+
 def target_head_weights(target: nn.Module | Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
     """(lm_head weight, embed_tokens weight) [V, H] of an HF causal LM or its state dict.
 

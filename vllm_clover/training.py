@@ -1,5 +1,10 @@
 """Training Clover heads on cached target features (``vllm-clover train``).
 
+``--method medusa`` / ``--method eagle`` train the Medusa-1 / EAGLE-1 baselines of
+:mod:`vllm_clover.baselines` through the same pipeline (data, features, batches, optimizer,
+schedule, checkpoints); only the model, its input (h-bar_t instead of x_t) and the loss
+weights differ, and the output is in the format of vLLM's built-in ``medusa`` / ``eagle``.
+
 Pipeline (docs/training.md)::
 
     conversations  --(optional) self-distillation with the target via vLLM, cached-->
@@ -34,9 +39,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .baselines import METHODS, build_baseline, loss_weights, save_baseline, shape_config
 from .config import CloverConfig
 from .data import Conversation, load_conversations, save_conversations
-from .model import CloverDrafter, init_from_target
+from .model import CloverDrafter, init_from_target, match_token_value_scale
 
 Tensor = torch.Tensor
 
@@ -284,6 +290,38 @@ def build_drafter_for_target(target: Path, target_config: dict[str, Any], varian
     return drafter, config
 
 
+def build_model_for_target(args: TrainArgs, target: Path, target_config: dict[str, Any]):
+    """(model, config) for ``args.method``, float32, unbound; call after seeding the RNGs."""
+    if args.method == "clover":
+        return build_drafter_for_target(target, target_config, args.variant, args.num_heads, args.num_layers)
+    try:
+        config = shape_config(args.method, target_config, args.num_heads, args.num_layers)
+    except ValueError as exc:  # BaselineError, CloverConfigError: one line
+        raise TrainingError(str(exc)) from None
+    config.target_name = config.target_name or target.name
+    return build_baseline(args.method, config), config
+
+
+def save_model(out: Path, drafter, config: CloverConfig, method: str, target: Path,
+               target_config: dict[str, Any]) -> None:
+    """Write the final drafter (bf16 trainable weights) in the format vLLM loads for ``method``."""
+    if method == "clover":
+        from .checkpoint import save_drafter
+
+        save_drafter(out, drafter, config, dtype=torch.bfloat16)
+        return
+    from .features import load_target_head
+
+    # Medusa needs a copy of the target's LM head in the file: the stored tensor, uncast.
+    lm_head = load_target_head(target)[2] if method == "medusa" else None
+    save_baseline(out, drafter, target_config, lm_head, target_name=config.target_name, dtype=torch.bfloat16)
+
+
+def loss_settings(args: TrainArgs) -> tuple[float, float, float]:
+    """(decay, v_w, p_w): Clover's from the arguments, the baselines' fixed (baselines.LOSS_WEIGHTS)."""
+    return (args.decay, args.v_w, args.p_w) if args.method == "clover" else loss_weights(args.method)
+
+
 # ============================================================================ loss
 def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_head: Tensor,
                          loss_mask: Tensor, decay: float = 0.7, v_w: float = 10.0, p_w: float = 1.0,
@@ -491,6 +529,7 @@ class TrainArgs:
     decay: float = 0.7
     v_w: float = 10.0
     p_w: float = 1.0
+    token_value_init: str = "official"  # or "matched": match_token_value_scale (docs/training.md)
     keep_checkpoint: bool = False
     command: str = ""
 
@@ -532,6 +571,24 @@ def save_training_state(out: Path, drafter: CloverDrafter, optimizer, scheduler,
     return ckpt / STATE_FILE
 
 
+def rms(t: Tensor, mask: Tensor | None = None) -> float:
+    """Root mean square of ``t`` [..., H] over all elements (rows with ``mask`` == 0 left out)."""
+    t = t.detach().float()
+    if mask is not None:
+        t = t[mask.bool()]
+    return float(t.pow(2).mean().sqrt())
+
+
+def token_state_rms(drafter: CloverDrafter, batch: dict[str, Tensor]) -> dict[str, float]:
+    """RMS of the state each Attention Decoder adds a token to, for ``match_token_value_scale``:
+    the trunk's x_t (measured on ``batch``'s real positions) and, for head decoders, the
+    normalised trunk output z, whose RMS is that of ``trunk_norm``'s weight."""
+    z_rms = rms(drafter.trunk_norm.weight)
+    if drafter.config.variant == "clover2":
+        return {"trunk_decoder": rms(batch["x"], batch["attention_mask"]), "head_decoder": z_rms}
+    return {f"head_decoders.{i}": z_rms for i in range(drafter.config.num_heads)}
+
+
 def _linear_warmup_decay(warmup: int, total: int) -> Callable[[int], float]:
     """transformers' get_linear_schedule_with_warmup as a plain lambda."""
     def factor(step: int) -> float:
@@ -553,8 +610,10 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     to simulate an interruption (tests, ``--stop-after``). Raises :class:`TrainingError`.
     """
     t_start = time.perf_counter()
-    if args.method != "clover":
-        raise TrainingError(f"--method {args.method!r} is not supported (only 'clover')")
+    if args.method not in METHODS:
+        raise TrainingError(f"--method {args.method!r} is not supported (choose one of {', '.join(METHODS)})")
+    if args.method != "clover" and args.token_value_init != "official":
+        raise TrainingError("--token-value-init applies to --method clover only")
     if args.variant not in ("clover2", "clover"):
         raise TrainingError(f"--variant must be clover2 or clover, got {args.variant!r}")
     if (args.epochs is None) == (args.steps is None):
@@ -590,14 +649,22 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    drafter, config = build_drafter_for_target(target, target_config, args.variant,
-                                               args.num_heads, args.num_layers)
-    norm_w, eps, lm_head, _embed = load_target_head(target, dtype=torch.float32)
-    # E = lm_head weight as in the official code; the LM-head products run in bf16.
-    drafter.bind_target(lm_head)
+    drafter, config = build_model_for_target(args, target, target_config)
+    norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
+    if args.method == "clover":
+        # E = lm_head weight as in the official code; the LM-head products run in bf16.
+        drafter.bind_target(lm_head)
+    else:
+        drafter.bind_target(lm_head, embed)  # EAGLE reads the target's embedding, as vLLM shares it
     lm_head_bf16 = lm_head.to(torch.bfloat16)
     vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size) if args.train_vocab else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
+    if args.token_value_init == "matched":
+        first = collate_features([ds[i] for i in plan.epoch(0)[0]])
+        scales = match_token_value_scale(drafter, token_state_rms(drafter, first), rms(drafter.embed_weight))
+        _log("token value projections initialised as s*I: " + ", ".join(f"{k} s={v:.1f}" for k, v in scales.items()))
+    elif args.token_value_init != "official":
+        raise TrainingError(f"--token-value-init must be official or matched, got {args.token_value_init!r}")
     total_steps = args.steps if args.steps is not None else plan.steps_for_epochs(args.epochs)
     if total_steps < 1:
         raise TrainingError("the run has 0 steps (too few conversations or epochs)")
@@ -661,9 +728,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     t_train = elapsed_before + time.perf_counter() - t_loop
 
     # ---- final artefacts
-    from .checkpoint import save_drafter
-
-    save_drafter(out, drafter, config, dtype=torch.bfloat16)
+    save_model(out, drafter, config, args.method, target, target_config)
     final = _window_metrics(history, max(1, min(50, len(history) // 10 or 1)))
     report = {
         "command": args.command,
@@ -697,21 +762,27 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
                eps: float, lm_head: Tensor, vocab: Tensor | None, args: TrainArgs) -> dict[str, Any]:
     """One optimizer step on a ``collate_features`` batch; returns its history record.
 
-    x [B, T, H] (bf16 cache) -> fp32 drafter under bf16 autocast; targets h-bar_{t+1}
-    [B, T, H] from the target's final norm; loss and backward by clover_loss_backward over
-    the full vocabulary or this batch's subset (``vocab`` = base subset, see batch_vocab).
+    x [B, T, H] (bf16 cache) -> fp32 drafter under bf16 autocast (Medusa / EAGLE get
+    h-bar_t = RMSNorm(x_t) instead, what vLLM feeds them); targets h-bar_{t+1} [B, T, H] from
+    the target's final norm; loss and backward by clover_loss_backward over the full
+    vocabulary or this batch's subset (``vocab`` = base subset, see batch_vocab), with the
+    method's loss weights (:func:`loss_settings`).
     """
-    from .features import shifted_postnorm_targets
+    from .features import rms_norm, shifted_postnorm_targets
 
-    x = batch["x"].float()
+    if getattr(drafter, "input_kind", "prenorm") == "postnorm":
+        x = rms_norm(batch["x"], norm_w, eps)
+    else:
+        x = batch["x"].float()
     target_hidden = shifted_postnorm_targets(batch["x"], batch["lengths"], norm_w, eps)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outputs = drafter.forward_train(x, batch["input_ids_shifted"], batch["attention_mask"])
     optimizer.zero_grad(set_to_none=True)
     step_vocab = None if vocab is None else batch_vocab(
         vocab, target_hidden, batch["loss_mask"], batch["input_ids"], lm_head)
+    decay, v_w, p_w = loss_settings(args)
     loss, m = clover_loss_backward(outputs, target_hidden, lm_head, batch["loss_mask"],
-                                   args.decay, args.v_w, args.p_w, vocab=step_vocab)
+                                   decay, v_w, p_w, vocab=step_vocab)
     torch.nn.utils.clip_grad_value_([p for p in drafter.parameters() if p.requires_grad],
                                     args.grad_clip_value)
     optimizer.step()
