@@ -127,7 +127,8 @@ def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
     report = evaluate(EvalArgs(heads=args.heads, target=args.target, data=args.data, k=args.k,
                                max_len=args.max_len, threads=args.threads, json_path=args.json,
                                feature_dtype=args.feature_dtype,
-                               max_conversations=args.max_conversations))
+                               max_conversations=args.max_conversations,
+                               draft_vocab_size=args.draft_vocab))
     print(format_report(report))
 
 
@@ -206,6 +207,9 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--feature-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target forward dtype for the held-out features (float32 = serving default)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="heads score only the checkpoint's N most frequent response tokens "
+                        "(draft_vocab.json; 0 = full vocabulary), as the draft_vocab_size option")
     p.add_argument("--json", default=None, help="write the report here (default: <heads>/eval_<data>.json)")
     p.set_defaults(func=_cmd_eval)
 

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .model import apply_lm_head
 from .training import (TrainingError, check_target, feature_cache_dir, resolve_target, self_distill_cached,
                        split_sharegpt)
 
@@ -79,6 +80,8 @@ class EvalArgs:
     distill_max_new_tokens: int = 256
     # dtype of the drafter's LM-head products (the target's argmax is always float32)
     draft_dtype: str = "bfloat16"
+    # > 0: the heads score only the checkpoint's draft vocabulary (vllm_clover/draft_vocab.py)
+    draft_vocab_size: int = 0
 
 
 # ============================================================================ per sequence
@@ -183,7 +186,7 @@ def evaluate_sequence(predict: Predictor, x: Tensor, ids: Tensor, loss_mask: Ten
     correct, total = [], []
     for i, o in enumerate(outputs):
         rows = m[i:].nonzero(as_tuple=True)[0]  # t with y_{t+1+i} assistant
-        pred = F.linear(o[rows].to(draft_head.dtype), draft_head).argmax(-1)
+        pred = apply_lm_head(draft_head, o[rows]).argmax(-1)
         correct.append(int((pred == greedy[rows + 1 + i]).sum()))
         total.append(len(rows))
     # chains from every start position
@@ -245,6 +248,7 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
     ``args.heads`` may be a Clover, Medusa or EAGLE checkpoint (told apart by config.json)."""
     from .baselines import checkpoint_method, load_baseline
     from .checkpoint import load_drafter
+    from .draft_vocab import DraftVocabError, load_draft_vocab, subset_logits_fn
     from .features import FeatureDataset, extract_features, load_target_head
 
     t_start = time.perf_counter()
@@ -270,6 +274,14 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         drafter.bind_target(lm_head, embed)
     predict = predictor(method, drafter, norm_w, eps)
     draft_head = lm_head.to(getattr(torch, args.draft_dtype))
+    if args.draft_vocab_size:
+        if method != "clover":
+            raise TrainingError("--draft-vocab applies to Clover checkpoints only")
+        try:
+            ids = load_draft_vocab(args.heads, args.draft_vocab_size, lm_head.shape[0])
+        except DraftVocabError as exc:
+            raise TrainingError(str(exc)) from None
+        draft_head = subset_logits_fn(draft_head, ids)
     convs, label = heldout_conversations(args.data, target, args.distill_max_new_tokens)
     if args.max_conversations:
         convs = convs[: args.max_conversations]
@@ -307,7 +319,8 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         "wall_time_s": round(time.perf_counter() - t_start, 1),
         "per_sequence_kmax": per_sequence,
     }
-    out = Path(args.json_path) if args.json_path else Path(args.heads) / f"eval_{_slug(args.data)}.json"
+    suffix = f"_dv{args.draft_vocab_size}" if args.draft_vocab_size else ""
+    out = Path(args.json_path) if args.json_path else Path(args.heads) / f"eval_{_slug(args.data)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     report["json_path"] = str(out)

@@ -31,8 +31,10 @@ METHOD = "clover"
 # draft_sampling: "sample" draws drafts of temperature>0 requests from the heads'
 # temperature-scaled distributions and hands those to vLLM's rejection sampler;
 # "greedy" always drafts the heads' argmax (one-hot drafts). Both are lossless.
+# draft_vocab_size (int, 0 = full vocabulary): the heads score only the checkpoint's N most
+# frequent response tokens (vllm_clover/draft_vocab.py); validated by draft_vocab_size().
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
-DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample"}
+DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0}
 
 
 class CloverSpecError(ValueError):
@@ -124,6 +126,8 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
             raise CloverSpecError(f"clover option {key}={value!r} is invalid; expected one of {OPTIONS[key]}")
         options[key] = value
     config = validate_checkpoint(path, target_model_config.hf_text_config)
+    if "draft_vocab_size" in spec:
+        options["draft_vocab_size"] = draft_vocab_size(spec.pop("draft_vocab_size"), path, config.vocab_size)
     k = spec.pop("num_speculative_tokens", None)
     if k is None:
         k = config.num_heads
@@ -139,6 +143,23 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
         "clover": {**options, "checkpoint": str(path), "checkpoint_num_heads": config.num_heads,
                    "variant": config.variant},
     }
+
+
+def draft_vocab_size(value: Any, path: Path, vocab_size: int) -> int:
+    """Validate the ``draft_vocab_size`` option (0 = full vocabulary) against the checkpoint's
+    draft_vocab.json (vllm_clover/draft_vocab.py); one-line CloverSpecError otherwise."""
+    from vllm_clover.draft_vocab import DraftVocabError, load_draft_vocab
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CloverSpecError(f"draft_vocab_size must be an integer >= 0 (0 = full vocabulary), got {value!r}")
+    if value >= vocab_size:
+        return 0
+    if value:
+        try:
+            load_draft_vocab(path, value, vocab_size)
+        except DraftVocabError as exc:
+            raise CloverSpecError(str(exc)) from None
+    return value
 
 
 def _merged_spec_dict(args: Any) -> dict[str, Any]:

@@ -330,7 +330,7 @@ class CloverDrafter(nn.Module):
         head = self.lm_head_weight if lm_head is None else lm_head
         if head is None:
             raise RuntimeError("CloverDrafter has no lm_head; call bind_target or pass lm_head")
-        return _apply_lm_head(head, o)
+        return apply_lm_head(head, o)
 
     # ------------------------------------------------------------------ trunk (doc 1.3)
     def fuse(self, x: Tensor, next_tokens: Tensor) -> Tensor:
@@ -531,7 +531,8 @@ def _default_positions(attention_mask: Tensor | None, b: int, t: int, past_len: 
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
 
 
-def _apply_lm_head(head: LMHead, h: Tensor) -> Tensor:
+def apply_lm_head(head: LMHead, h: Tensor) -> Tensor:
+    """LMHead(h): ``head`` is a [V, H] weight (h cast to its dtype) or a callable."""
     if isinstance(head, Tensor):
         return F.linear(h.to(head.dtype), head)
     return head(h)
@@ -565,9 +566,9 @@ def clover_loss(outputs: Sequence[Tensor], target_hidden: Tensor, lm_head: LMHea
         denom = m.sum() + 1.0
         vloss = (m * F.smooth_l1_loss(o.float(), tgt.float(), reduction="none")).mean(-1).sum() / denom
         with torch.no_grad():
-            target_logits = _apply_lm_head(lm_head, tgt).float()
+            target_logits = apply_lm_head(lm_head, tgt).float()
             target_p = torch.softmax(target_logits, dim=-1)
-        logits = _apply_lm_head(lm_head, o).float()
+        logits = apply_lm_head(lm_head, o).float()
         ploss = -(m * (target_p * torch.log_softmax(logits, dim=-1))).sum() / denom
         loss = loss + (decay ** i) * heads_coefficient * (v_w * vloss + p_w * ploss)
         with torch.no_grad():

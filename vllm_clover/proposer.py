@@ -27,6 +27,7 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
+from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import clover_options
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
 
@@ -82,6 +83,9 @@ class CloverProposer(MedusaProposer):
         self.options = clover_options(vllm_config)
         self.model: CloverForSpeculativeDecoding | None = None
         self._layer_names: set[str] = set()
+        # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
+        self.draft_ids: Tensor | None = None
+        self.draft_weight: Tensor | None = None
         # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
         # None = off; else a list of (req_id, committed token ids, draft token ids).
         self.records: list[tuple[str, list[int], list[int]]] | None = None
@@ -113,6 +117,10 @@ class CloverProposer(MedusaProposer):
                 f"fit the Clover checkpoint (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
         # ParallelLMHead pads the vocabulary; Clover's E and LMHead are the real rows.
         self.model.bind_target(weight[: cfg.vocab_size])
+        if self.options["draft_vocab_size"]:
+            ids = load_draft_vocab(self.options["checkpoint"], self.options["draft_vocab_size"], cfg.vocab_size)
+            self.draft_ids = ids.to(weight.device)
+            self.draft_weight = weight[self.draft_ids].contiguous()
         # Read by the runner's _setup_eagle3_aux_hidden_state_outputs right after this:
         # aux index num_layers = hidden + residual after the last layer = x_t.
         self.spec_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = [
@@ -202,15 +210,29 @@ class CloverProposer(MedusaProposer):
         tokens, probs = [], []
         for i in range(k):
             state, o = self.model.head_step(state, token, i)
-            logits = self.model.logits(o)  # [B, V] float32
-            token = logits.argmax(dim=-1)
+            logits = self._draft_logits(o)  # [B, N] float32 (N = draft vocabulary size)
+            local = logits.argmax(dim=-1)
             if sample:
                 q = torch.softmax(logits * inv_temp, dim=-1)
-                token = torch.where(greedy, token, _sample_rows(q, generators))
+                local = torch.where(greedy, local, _sample_rows(q, generators))
                 probs.append(q)
+            token = local if self.draft_ids is None else self.draft_ids[local]
             tokens.append(token)
         drafts = torch.stack(tokens, dim=1)
-        return drafts, (torch.stack(probs, dim=1).contiguous() if sample else None)
+        if not sample:
+            return drafts, None
+        q = torch.stack(probs, dim=1)  # [B, K, N]
+        if self.draft_ids is not None:  # vLLM wants [B, K, V]: zero outside the draft vocabulary
+            full = q.new_zeros(*q.shape[:2], self.model.config.vocab_size)
+            q = full.index_copy_(2, self.draft_ids, q)
+        return drafts, q.contiguous()
+
+    def _draft_logits(self, o: Tensor) -> Tensor:
+        """Head output o [B, H] -> float32 logits over the draft vocabulary [B, N] (N = V
+        without a reduced draft vocabulary)."""
+        if self.draft_weight is None:
+            return self.model.logits(o)
+        return torch.nn.functional.linear(o.to(self.draft_weight.dtype), self.draft_weight).float()
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, **_: Any) -> None:
@@ -223,7 +245,8 @@ class CloverProposer(MedusaProposer):
         token = torch.zeros(rows, dtype=torch.long, device=self.device)
         for i in range(self.num_speculative_tokens):
             state, o = self.model.head_step(state, token, i)
-            token = self.model.logits(o).argmax(dim=-1)
+            token = self._draft_logits(o).argmax(dim=-1)
+            token = token if self.draft_ids is None else self.draft_ids[token]
 
 
 def _sample_rows(q: Tensor, generators: dict[int, torch.Generator]) -> Tensor:

@@ -403,24 +403,11 @@ def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_he
 
 
 def frequent_vocab(dataset, size: int, vocab_size: int) -> Tensor:
-    """The ``size`` most frequent response tokens of a feature cache (long [size], sorted ids).
+    """The ``size`` most frequent response tokens of a feature cache (long [size], sorted ids);
+    ranking: :func:`vllm_clover.draft_vocab.token_ranking`."""
+    from .draft_vocab import token_ranking
 
-    Counts the tokens y_{u+1} of trained positions (assistant tokens after the first),
-    then fills up with the most frequent other tokens, then with the lowest ids.
-    """
-    from safetensors import safe_open
-
-    resp = np.zeros(vocab_size, dtype=np.int64)
-    allc = np.zeros(vocab_size, dtype=np.int64)
-    for path in dataset.files:
-        with safe_open(str(path), "np") as f:
-            ids = f.get_tensor("input_ids").astype(np.int64)
-            mask = f.get_tensor("loss_mask").astype(bool)
-        np.add.at(resp, ids[mask], 1)
-        np.add.at(allc, ids, 1)
-    # Lexicographic rank: response count, then overall count, then low id first.
-    order = np.lexsort((np.arange(vocab_size), -allc, -resp))
-    return torch.from_numpy(np.sort(order[:size]))
+    return torch.sort(token_ranking(dataset, vocab_size)[:size]).values
 
 
 @torch.no_grad()
@@ -729,6 +716,10 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
 
     # ---- final artefacts
     save_model(out, drafter, config, args.method, target, target_config)
+    if args.method == "clover":
+        from .draft_vocab import save_draft_vocab, token_ranking
+
+        save_draft_vocab(out, token_ranking(ds, config.vocab_size), data_info["source"])
     final = _window_metrics(history, max(1, min(50, len(history) // 10 or 1)))
     report = {
         "command": args.command,
