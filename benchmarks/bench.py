@@ -9,8 +9,10 @@ the same run.
     vllm-clover bench --methods vanilla,ngram,clover:vllm_clover/heads/smollm2-135m-instruct-clover2 \
         --batch-sizes 1,8,32 --prompts mtbench --max-tokens 256 --output result.json --plot plots/
 
-Method syntax: ``NAME[:PATH][@K]`` (``@K`` overrides ``--num-speculative-tokens`` for that
-method), e.g. ``ngram@4``, ``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``.
+Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...]`` (``@K`` overrides
+``--num-speculative-tokens`` for that method; ``?...`` adds integer or string entries to its
+``speculative_config``, e.g. Clover's ``draft_vocab_size``), e.g. ``ngram@4``,
+``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``, ``clover:/ckpt/clover@4?draft_vocab_size=4096``.
 
 How it measures (conditions are written into the JSON):
 - Each (method, repeat) runs in a fresh subprocess with one ``LLM`` (``max_num_seqs`` = the
@@ -20,6 +22,9 @@ How it measures (conditions are written into the JSON):
 - Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch
   size: mean acceptance length = 1 + accepted / drafts; per-position rate = accepted at
   position i / drafts.
+- Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the
+  worker, ``CloverWorkerExtension.clover_timing``) divided by the rest of the wall time of
+  the same steps (target forward, sampling, scheduling): ``draft_cost_vs_target_step``.
 
 Output schema (``--output``)::
 
@@ -27,7 +32,8 @@ Output schema (``--output``)::
                     "repeats", "machine", "vllm", "torch_threads", "date"},
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
-                  "tokens_per_s_runs", "num_speculative_tokens", "checkpoint"}]}
+                  "tokens_per_s_runs", "num_speculative_tokens", "checkpoint",
+                  "draft_cost_vs_target_step"}]}
 
 ``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them);
 ``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla.
@@ -55,11 +61,19 @@ class MethodSpec:
     name: str
     path: str | None
     k: int | None
+    options: tuple[tuple[str, object], ...] = ()
 
 
 def parse_method(text: str) -> MethodSpec:
-    """``NAME[:PATH][@K]`` -> MethodSpec; a clear error for anything else."""
-    body, _, k = text.partition("@")
+    """``NAME[:PATH][@K][?KEY=VALUE&...]`` -> MethodSpec; a clear error for anything else."""
+    text_body, _, query = text.partition("?")
+    options = []
+    for item in [i for i in query.split("&") if i]:
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            raise ValueError(f"bad option {item!r} in {text!r}; expected KEY=VALUE")
+        options.append((key, int(value) if value.lstrip("-").isdigit() else value))
+    body, _, k = text_body.partition("@")
     name, _, path = body.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {text!r}; choose from {', '.join(METHODS)}")
@@ -69,7 +83,9 @@ def parse_method(text: str) -> MethodSpec:
         raise ValueError(f"method {name!r} takes no checkpoint path (got {path!r})")
     if k and not k.isdigit():
         raise ValueError(f"bad speculative token count {k!r} in {text!r}")
-    return MethodSpec(text, name, path or None, int(k) if k else None)
+    if options and name in ("vanilla",):
+        raise ValueError(f"method {name!r} takes no options (got {query!r})")
+    return MethodSpec(text, name, path or None, int(k) if k else None, tuple(options))
 
 
 def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
@@ -79,8 +95,8 @@ def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
     k = spec.k or default_k
     if spec.name == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k,
-                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    return {"method": spec.name, "model": spec.path, "num_speculative_tokens": k}
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2, **dict(spec.options)}
+    return {"method": spec.name, "model": spec.path, "num_speculative_tokens": k, **dict(spec.options)}
 
 
 def load_prompts(source: str, num_prompts: int) -> tuple[list[dict], str]:
@@ -134,16 +150,20 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
 
     model = args.model or str(ensure_default_model(verbose=False))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    clover = spec.name == "clover"
+    extra = {"worker_extension_cls": "vllm_clover.runner_hooks.CloverWorkerExtension"} if clover else {}
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=args.enforce_eager,
               kv_cache_memory_bytes=args.kv_cache_gib << 30, max_model_len=args.max_model_len,
               max_num_seqs=max(batch_sizes), disable_log_stats=False, seed=0,
-              speculative_config=speculative_config(spec, args.num_speculative_tokens))
+              speculative_config=speculative_config(spec, args.num_speculative_tokens), **extra)
     records, _ = load_prompts(args.prompts, args.num_prompts)
     prompts = render_prompts(records, llm.get_tokenizer())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
     rows = []
     for b in batch_sizes:
+        if clover:
+            llm.collective_rpc("clover_timing")  # reset
         before = _spec_counters(llm)
         t0, tokens = time.perf_counter(), 0
         for i in range(0, len(prompts), b):
@@ -154,8 +174,10 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
         drafts = after["drafts"] - before["drafts"]
         accepted = after["accepted"] - before["accepted"]
         per_pos = [a - b_ for a, b_ in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
+        draft_s = llm.collective_rpc("clover_timing")[0]["draft_s"] if clover else None
         rows.append({"method": spec.label, "batch_size": b, "tokens_per_s": tokens / elapsed,
-                     "tokens": tokens, "seconds": elapsed,
+                     "tokens": tokens, "seconds": elapsed, "draft_seconds": draft_s,
+                     "draft_cost_vs_target_step": draft_s / (elapsed - draft_s) if clover else None,
                      "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
                      "acceptance_per_position": [p / drafts for p in per_pos] if drafts else []})
     return rows
@@ -178,6 +200,8 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
                 "acceptance_per_position": [
                     sum(r["acceptance_per_position"][i] for r in mine if len(r["acceptance_per_position"]) > i)
                     / len(mine) for i in range(npos)],
+                "draft_cost_vs_target_step": (None if mine[0].get("draft_cost_vs_target_step") is None else
+                                              sum(r["draft_cost_vs_target_step"] for r in mine) / len(mine)),
                 "num_speculative_tokens": None if spec.name == "vanilla" else (spec.k or default_k),
                 "checkpoint": spec.path,
             })
@@ -189,12 +213,15 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'method':40s} {'batch':>5s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s}  per-position")
+    print(f"\n{'method':40s} {'batch':>5s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s} "
+          f"{'draft cost':>10s}  per-position")
     for r in results:
         sp = f"{r['speedup_vs_vanilla']:.2f}x" if r["speedup_vs_vanilla"] else "-"
         pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
-        print(f"{r['method'][:40]:40s} {r['batch_size']:5d} {r['tokens_per_s']:8.1f} {sp:>8s} "
-              f"{r['mean_acceptance_length']:10.2f}  {pos}")
+        dc = r.get("draft_cost_vs_target_step")
+        dc = f"{100 * dc:.0f}%" if dc is not None else "-"
+        print(f"{r['method'][-40:]:40s} {r['batch_size']:5d} {r['tokens_per_s']:8.1f} {sp:>8s} "
+              f"{r['mean_acceptance_length']:10.2f} {dc:>10s}  {pos}")
 
 
 def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:

@@ -13,10 +13,16 @@ def test_parse_method_forms() -> None:
     assert bench.parse_method("vanilla") == bench.MethodSpec("vanilla", "vanilla", None, None)
     assert bench.parse_method("ngram@3") == bench.MethodSpec("ngram@3", "ngram", None, 3)
     assert bench.parse_method("clover:/h/x@5") == bench.MethodSpec("clover:/h/x@5", "clover", "/h/x", 5)
+    spec = bench.parse_method("clover:/h/x@4?draft_vocab_size=4096&draft_sampling=greedy")
+    assert spec.options == (("draft_vocab_size", 4096), ("draft_sampling", "greedy"))
+    assert bench.speculative_config(spec, 2) == {"method": "clover", "model": "/h/x", "num_speculative_tokens": 4,
+                                                 "draft_vocab_size": 4096, "draft_sampling": "greedy"}
 
 
 @pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("clover", "needs a checkpoint"),
-                                      ("ngram:/x", "takes no checkpoint"), ("ngram@x", "bad speculative")])
+                                      ("ngram:/x", "takes no checkpoint"), ("ngram@x", "bad speculative"),
+                                      ("clover:/h?draft_vocab_size", "expected KEY=VALUE"),
+                                      ("vanilla?x=1", "takes no options")])
 def test_parse_method_errors(bad: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         bench.parse_method(bad)
@@ -37,9 +43,9 @@ def test_aggregate_means_and_speedup() -> None:
         {"method": "vanilla", "batch_size": 1, "tokens_per_s": 14.0, "mean_acceptance_length": 1.0,
          "acceptance_per_position": []},
         {"method": "ngram@2", "batch_size": 1, "tokens_per_s": 24.0, "mean_acceptance_length": 2.0,
-         "acceptance_per_position": [0.6, 0.4]},
+         "acceptance_per_position": [0.6, 0.4], "draft_cost_vs_target_step": 0.1},
         {"method": "ngram@2", "batch_size": 1, "tokens_per_s": 18.0, "mean_acceptance_length": 1.8,
-         "acceptance_per_position": [0.5, 0.3]},
+         "acceptance_per_position": [0.5, 0.3], "draft_cost_vs_target_step": 0.2},
     ]
     res = {r["method"]: r for r in bench.aggregate(runs, methods, 4)}
     assert res["vanilla"]["tokens_per_s"] == 12.0 and res["vanilla"]["speedup_vs_vanilla"] == 1.0
@@ -47,6 +53,8 @@ def test_aggregate_means_and_speedup() -> None:
     assert res["ngram@2"]["acceptance_per_position"] == pytest.approx([0.55, 0.35])
     assert res["ngram@2"]["mean_acceptance_length"] == pytest.approx(1.9)
     assert res["ngram@2"]["num_speculative_tokens"] == 2
+    assert res["ngram@2"]["draft_cost_vs_target_step"] == pytest.approx(0.15)
+    assert res["vanilla"]["draft_cost_vs_target_step"] is None
     for key in ("method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                 "acceptance_per_position", "speedup_vs_vanilla"):
         assert key in res["ngram@2"]

@@ -145,6 +145,7 @@ def test_clover_with_draft_vocab_in_vllm(default_model_dir, sensitive_ckpt_dir, 
         accepted = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}.get("vllm:spec_decode_num_accepted_tokens", 0)
         sampled = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1),
                                use_tqdm=False)
+        timing = llm.collective_rpc("clover_timing")[0]  # what benchmarks/bench.py reads
     finally:
         shutdown_llm(llm)
     for out, w in zip(outs, want):
@@ -153,3 +154,4 @@ def test_clover_with_draft_vocab_in_vllm(default_model_dir, sensitive_ckpt_dir, 
     assert drafts and all(t in subset for d in drafts for t in d)
     assert accepted > 0
     assert all(len(o.outputs[0].token_ids) > 0 for o in sampled)
+    assert timing["calls"] >= len(drafts) / len(prompts) and timing["draft_s"] > 0, timing

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ARCHITECTURE as CLOVER_ARCHITECTURE
-from .config import CONFIG_NAME, CloverConfig
+from .config import CONFIG_NAME, CloverConfig, read_json_dict
 from .model import AugmentingLayer, build_attention_mask, rope_cos_sin
 
 Tensor = torch.Tensor
@@ -311,18 +311,7 @@ def save_baseline(directory: str | os.PathLike, model: nn.Module, target_config:
 def _read_config(directory: Path) -> dict[str, Any]:
     from .checkpoint import CloverCheckpointError
 
-    if not directory.is_dir():
-        raise CloverCheckpointError(f"checkpoint directory {directory} does not exist")
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        raise CloverCheckpointError(f"{path}: missing (not a drafter checkpoint directory)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CloverCheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CloverCheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_dict(directory, CloverCheckpointError, "drafter checkpoint")
 
 
 def checkpoint_method(directory: str | os.PathLike) -> str:

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import CONFIG_NAME, OFFICIAL_ROPE_THETA, CloverConfig, CloverConfigError
+from .config import CONFIG_NAME, OFFICIAL_ROPE_THETA, CloverConfig, CloverConfigError, read_json_dict
 from .model import CloverDrafter
 
 WEIGHTS_NAME = "model.safetensors"
@@ -223,16 +223,8 @@ def convert_official(src_dir: str | os.PathLike, out_dir: str | os.PathLike,
     dtype. Returns the written config.
     """
     src = Path(src_dir)
-    if not src.is_dir():
-        raise CloverCheckpointError(f"official checkpoint directory {src} does not exist")
-    cfg_path = src / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise CloverCheckpointError(f"{cfg_path}: missing")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CloverCheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
-    config = _official_config(raw, str(cfg_path))
+    raw = read_json_dict(src, CloverCheckpointError, "official Clover checkpoint")
+    config = _official_config(raw, str(src / CONFIG_NAME))
     state, weights_path = _read_official_weights(src)
     state = _map_official_keys(state, weights_path)
     drafter = _drafter_from_state(config, state, weights_path)

@@ -57,6 +57,25 @@ class CloverConfigError(ValueError):
     """A Clover config is invalid; the message is one line naming the source and problem."""
 
 
+
+def read_json_dict(directory: str | os.PathLike, error: type[Exception], what: str) -> dict[str, Any]:
+    """``<directory>/config.json`` as a dict, or ``error`` with one line naming the file:
+    the directory is missing, the file is missing (``what`` says what the directory should
+    have been), unreadable, not JSON, or not a JSON object."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise error(f"{what} directory {directory} does not exist")
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise error(f"{path}: missing (not a {what} directory)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object")
+    return data
+
 @dataclass
 class CloverConfig:
     """Everything needed to build a drafter, plus the identity of its target.

@@ -18,6 +18,8 @@ request at once from z at its last accepted row. See docs/design-proposer.md.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -86,6 +88,10 @@ class CloverProposer(MedusaProposer):
         # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
         self.draft_ids: Tensor | None = None
         self.draft_weight: Tensor | None = None
+        # Wall time of propose_clover (CloverWorkerExtension.clover_timing). On a GPU the
+        # clock stops after a synchronize only when VLLM_CLOVER_PROFILE=1 (it stalls the stream).
+        self.timing = {"draft_s": 0.0, "calls": 0}
+        self._sync = os.environ.get("VLLM_CLOVER_PROFILE") == "1" and torch.device(device).type == "cuda"
         # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
         # None = off; else a list of (req_id, committed token ids, draft token ids).
         self.records: list[tuple[str, list[int], list[int]]] | None = None
@@ -134,6 +140,19 @@ class CloverProposer(MedusaProposer):
                        common_attn_metadata: Any, slot_mappings: Any) -> tuple[Tensor, Tensor | None]:
         """One drafting step. Returns drafts [B, K] (long) and, when temperature>0 requests
         draft by sampling, their draft distributions [B, K, V] (float32), else None."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
+                                 common_attn_metadata, slot_mappings)
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.timing["draft_s"] += time.perf_counter() - t0
+            self.timing["calls"] += 1
+
+    def _propose(self, runner: Any, scheduler_output: Any, sampling_metadata: Any,
+                 aux_hidden_states: list[Tensor] | None, common_attn_metadata: Any,
+                 slot_mappings: Any) -> tuple[Tensor, Tensor | None]:
         if not aux_hidden_states:
             raise RuntimeError("vllm-clover: the target returned no aux hidden states")
         batch = runner.input_batch

@@ -218,3 +218,12 @@ class CloverWorkerExtension:
         if drafter.records is not None:
             drafter.records = []
         return records
+
+    def clover_timing(self, reset: bool = True) -> dict[str, float]:
+        """Seconds spent in Clover drafting (trunk + heads) and the number of drafting
+        calls since the last reset (benchmarks/bench.py: draft cost per step)."""
+        drafter = self._clover_drafter()
+        timing = dict(drafter.timing)
+        if reset:
+            drafter.timing = {"draft_s": 0.0, "calls": 0}
+        return timing

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .baselines import METHODS, build_baseline, loss_weights, save_baseline, shape_config
-from .config import CloverConfig
+from .config import CloverConfig, read_json_dict
 from .data import Conversation, load_conversations, save_conversations
 from .model import CloverDrafter, init_from_target, match_token_value_scale
 
@@ -128,15 +128,7 @@ def self_distill_cached(model_dir: str | os.PathLike, convs: Sequence[Conversati
 def check_target(model_dir: str | os.PathLike) -> dict[str, Any]:
     """The target's HF ``config.json`` as a dict; :class:`TrainingError` if unusable."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise TrainingError(f"target model directory {model_dir} does not exist")
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise TrainingError(f"{path}: missing (not a Hugging Face model directory)")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TrainingError(f"{path}: not valid JSON ({exc})") from None
+    config = read_json_dict(model_dir, TrainingError, "target model")
     archs = config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise TrainingError(
