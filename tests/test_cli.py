@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from vllm_clover import cli, cpu_env
 
 
@@ -19,6 +23,44 @@ def test_serve_argv_respects_user_flags(monkeypatch) -> None:
     argv = cli.serve_argv("/m", "h", 1, ["--dtype=bfloat16", "--kv-cache-memory-bytes", "5"])
     assert argv.count("--kv-cache-memory-bytes") == 1 and "float32" not in argv
     assert argv[-3:] == ["--dtype=bfloat16", "--kv-cache-memory-bytes", "5"]
+
+
+@pytest.fixture
+def default_with_heads(monkeypatch, tmp_path):
+    """serve_argv's default-model branch without converting the model; fake shipped heads."""
+    import vllm_clover.default_model as dm
+    import vllm_clover.training as tr
+
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "config.json").write_text("{}")
+    monkeypatch.setattr(cpu_env, "is_cpu_platform", lambda: True)
+    monkeypatch.setattr(dm, "ensure_default_model", lambda **_: tmp_path / "model")
+    monkeypatch.setattr(tr, "shipped_heads_dir", lambda *_: heads)
+    return heads
+
+
+def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads) -> None:
+    argv = cli.serve_argv(None, "h", 1, [])
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "clover", "model": str(default_with_heads), **cli.SHIPPED_SERVE_OPTIONS}
+    assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("extra, clover", [
+    ([], False),
+    (["--speculative-config", '{"method": "ngram"}'], True),
+    (["--speculative-model=clover:/x"], True),
+    (["--num-speculative-tokens", "2"], True),
+])
+def test_serve_default_model_without_clover(default_with_heads, extra, clover) -> None:
+    argv = cli.serve_argv(None, "h", 1, extra, clover=clover)
+    assert argv.count("--speculative-config") == extra.count("--speculative-config")
+    assert str(default_with_heads) not in " ".join(argv)
+
+
+def test_serve_other_model_gets_no_clover(default_with_heads) -> None:
+    assert "--speculative-config" not in cli.serve_argv("/m", "h", 1, [])
 
 
 def test_iomp_preload_is_prepended_once(monkeypatch, tmp_path) -> None:

@@ -19,9 +19,11 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from vllm_clover import cpu_env
 
@@ -44,17 +46,35 @@ def _has_flag(args: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-def serve_argv(model: str | None, host: str, port: int, extra: list[str]) -> list[str]:
+# Clover settings `vllm-clover serve` uses with the shipped heads on the default model
+# (chosen by `vllm-clover bench`, README "Results": K and the draft vocabulary that ran fastest).
+SHIPPED_SERVE_OPTIONS = {"num_speculative_tokens": 3, "draft_vocab_size": 4096}
+SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",
+              "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
+
+
+def default_clover_config(heads: Path) -> str:
+    """The ``--speculative-config`` JSON for the shipped heads in ``heads``."""
+    return json.dumps({"method": "clover", "model": str(heads), **SHIPPED_SERVE_OPTIONS})
+
+
+def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover: bool = True) -> list[str]:
     """The ``vllm serve`` arguments for ``vllm-clover serve`` (pure; unit-tested).
 
-    Adds the CPU defaults documented in docs/cpu-defaults.md unless the user set them.
+    Adds the CPU defaults documented in docs/cpu-defaults.md unless the user set them. On
+    the default model, with ``clover`` and no speculative flag of the user's, Clover runs
+    with the heads shipped in vllm_clover/heads/ (:data:`SHIPPED_SERVE_OPTIONS`).
     """
     if model is None:
         from vllm_clover.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+        from vllm_clover.training import shipped_heads_dir
 
         model = str(ensure_default_model())
         if not _has_flag(extra, "--served-model-name"):
             extra = [*extra, "--served-model-name", DEFAULT_MODEL_NAME]
+        heads = shipped_heads_dir()
+        if clover and (heads / "config.json").is_file() and not _has_flag(extra, *SPEC_FLAGS):
+            extra = [*extra, "--speculative-config", default_clover_config(heads)]
     argv = ["serve", model, "--host", host, "--port", str(port)]
     if cpu_env.is_cpu_platform():
         if not _has_flag(extra, "--dtype"):
@@ -67,7 +87,7 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str]) -> lis
 
 
 def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> None:
-    argv = serve_argv(args.model, args.host, args.port, extra)
+    argv = serve_argv(args.model, args.host, args.port, extra, clover=not args.no_clover)
     url = f"http://{args.host}:{args.port}"
     name = argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else argv[1]
     body = ('{"model": "%s", "messages": [{"role": "user", "content": '
@@ -237,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--no-clover", action="store_true",
+                   help="serve the default model without the shipped Clover heads (plain vLLM)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("patches", help="list the vLLM internals the plugin touches")
