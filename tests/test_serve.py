@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import requests
 
 from tests.conftest import venv_bin
+from vllm_clover.training import shipped_heads_dir
 from tests.server import free_port, running_server
 
 pytestmark = pytest.mark.slow
@@ -51,4 +53,10 @@ def test_vllm_clover_serve_default_model(tmp_path: Path) -> None:
         _check_answers(server, "SmolLM2-135M-Instruct")
         log = server.log_tail(200_000)
         assert "--dtype float32" in log and "curl http://127.0.0.1" in log
+        if (shipped_heads_dir() / "config.json").is_file():  # Clover on, with the shipped heads
+            assert '"method": "clover"' in log and str(shipped_heads_dir()) in log
+            metrics = requests.get(server.url + "/metrics", timeout=30).text
+            drafted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
+            assert drafted and drafted[0] > 0, drafted
     assert server.shutdown["returncode"] == 0 and not server.shutdown["leftover_children"]

@@ -1,0 +1,107 @@
+"""Greedy losslessness at scale, with the heads `vllm-clover serve` uses (issue: "Clover as a
+speculative-decoding method inside vLLM", correctness): 37 mixed prompts (MT-Bench first
+turns through the chat template, multi-turn chats, raw text and code, a prompt longer than
+the batch token budget) at batch 1 and all at once, then again under a KV cache so small
+that vLLM must preempt running requests. Every output must be token-identical to plain
+vLLM's in float32.
+
+The drafter is ``clover_ckpt_dir`` (the shipped heads when they fit the default model,
+with the serve defaults K and draft vocabulary; otherwise an untrained drafter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shutdown_llm
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 48
+COMMON = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_batched_tokens=256,
+              enable_prefix_caching=True, disable_log_stats=False, seed=0)
+# 64 MiB of float32 KV = 1,365 tokens of the 30 target + 2 Clover layers (10 blocks of 128):
+# fewer than the running requests need, so the scheduler preempts.
+SMALL_KV = 64 << 20
+
+
+def _prompts(tokenizer) -> list:
+    from vllm_clover.data import load_mtbench
+
+    from .test_clover_e2e import CHATS, PROMPTS
+
+    questions = load_mtbench()
+    chats = [[{"role": "user", "content": q["turns"][0]}] for q in questions[:24]]
+    chats += [[{"role": "user", "content": q["turns"][0]},
+               {"role": "assistant", "content": "Sure, here is my answer."},
+               {"role": "user", "content": q["turns"][1]}] for q in questions[24:28] if len(q["turns"]) > 1]
+    chats += CHATS
+    rendered = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    return rendered + PROMPTS
+
+
+def _spec_config(ckpt: Path) -> dict:
+    from vllm_clover.cli import SHIPPED_SERVE_OPTIONS
+    from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
+
+    options = dict(SHIPPED_SERVE_OPTIONS)
+    if not (ckpt / DRAFT_VOCAB_FILE).is_file():
+        options.pop("draft_vocab_size")
+    return {"method": "clover", "model": str(ckpt), **options}
+
+
+def _run(model: str, prompts: list, spec: dict | None, kv_bytes: int, one_by_one: bool) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, kv_cache_memory_bytes=kv_bytes, max_num_seqs=len(prompts),
+              speculative_config=spec, **COMMON)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    try:
+        out = {}
+        if one_by_one:
+            out["batch1"] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        out["all"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        out["preemptions"] = metrics.get("vllm:num_preemptions", 0)
+        out["accepted"] = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+        out["drafts"] = metrics.get("vllm:spec_decode_num_drafts", 0)
+    finally:
+        shutdown_llm(llm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(default_model_dir: Path, clover_ckpt_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    prompts = _prompts(AutoTokenizer.from_pretrained(default_model_dir))
+    spec = _spec_config(clover_ckpt_dir)
+    model = str(default_model_dir)
+    return {
+        "num_prompts": len(prompts),
+        "plain": _run(model, prompts, None, 1 << 30, one_by_one=True),
+        "clover": _run(model, prompts, spec, 1 << 30, one_by_one=True),
+        "plain_small": _run(model, prompts, None, SMALL_KV, one_by_one=False),
+        "clover_small": _run(model, prompts, spec, SMALL_KV, one_by_one=False),
+    }
+
+
+def test_at_least_32_mixed_prompts(runs) -> None:
+    assert runs["num_prompts"] >= 32
+
+
+def test_batch_1_identical(runs) -> None:
+    assert runs["clover"]["batch1"] == runs["plain"]["batch1"]
+
+
+def test_all_at_once_identical(runs) -> None:
+    assert runs["clover"]["all"] == runs["plain"]["all"]
+    assert runs["clover"]["drafts"] > 0
+
+
+def test_under_preemption_identical(runs) -> None:
+    assert runs["clover_small"]["preemptions"] > 0, "the small KV cache did not force preemption"
+    assert runs["plain_small"]["preemptions"] > 0
+    assert runs["clover_small"]["all"] == runs["plain_small"]["all"]
