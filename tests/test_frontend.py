@@ -329,3 +329,21 @@ def test_cpu_expand_kernel_fix() -> None:
     assert temp.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.3, 1.3, 1.3])
     top_k = expand_batch_to_tokens(torch.tensor([5, 7, 9], dtype=torch.int32), cu, 6)
     assert top_k.dtype == torch.int32 and top_k.tolist() == [5, 5, 7, 9, 9, 9]
+
+
+def test_disable_by_batch_size_becomes_vllms_dynamic_schedule(default_model_dir, clover_ckpt_dir) -> None:
+    from vllm_clover.frontend import batch_size_schedule
+
+    assert batch_size_schedule(3, 2) == [[1, 2, 2], [3, 3, 0]]
+    assert batch_size_schedule(1, 4) == [[1, 1, 0]]
+    _, config = _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                                   "num_speculative_tokens": 2, "disable_by_batch_size": 3})
+    assert [list(r) for r in config.speculative_config.num_speculative_tokens_per_batch_size] == [[1, 2, 2], [3, 3, 0]]
+
+
+@pytest.mark.parametrize("value", [0, -2, "3", True])
+def test_bad_disable_by_batch_size_is_one_line(default_model_dir, clover_ckpt_dir, value) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                           "disable_by_batch_size": value})
+    _one_line_error(excinfo, "disable_by_batch_size must be an integer >= 1")

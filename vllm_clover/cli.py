@@ -48,7 +48,7 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 
 # Clover settings `vllm-clover serve` uses with the shipped heads on the default model
 # (chosen by `vllm-clover bench`, README "Results": K and the draft vocabulary that ran fastest).
-SHIPPED_SERVE_OPTIONS = {"num_speculative_tokens": 3, "draft_vocab_size": 4096}
+SHIPPED_SERVE_OPTIONS = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
 SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",
               "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
 

@@ -33,6 +33,7 @@ METHOD = "clover"
 # "greedy" always drafts the heads' argmax (one-hot drafts). Both are lossless.
 # draft_vocab_size (int, 0 = full vocabulary): the heads score only the checkpoint's N most
 # frequent response tokens (vllm_clover/draft_vocab.py); validated by draft_vocab_size().
+# disable_by_batch_size (int): no drafts once this many requests run (batch_size_schedule()).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0}
 
@@ -128,6 +129,7 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     config = validate_checkpoint(path, target_model_config.hf_text_config)
     if "draft_vocab_size" in spec:
         options["draft_vocab_size"] = draft_vocab_size(spec.pop("draft_vocab_size"), path, config.vocab_size)
+    disable_at = spec.pop("disable_by_batch_size", None)
     k = spec.pop("num_speculative_tokens", None)
     if k is None:
         k = config.num_heads
@@ -137,12 +139,32 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
         raise CloverSpecError(
             f"num_speculative_tokens={k} is larger than the {config.num_heads} heads of "
             f"Clover checkpoint {path}; use at most {config.num_heads}")
+    if disable_at is not None:
+        if "num_speculative_tokens_per_batch_size" in spec:
+            raise CloverSpecError("disable_by_batch_size and num_speculative_tokens_per_batch_size "
+                                  "are mutually exclusive")
+        spec["num_speculative_tokens_per_batch_size"] = batch_size_schedule(disable_at, k)
     args.speculative_config = {"method": "medusa", "model": str(path), "num_speculative_tokens": k, **spec}
     args.additional_config = {
         **(args.additional_config or {}),
         "clover": {**options, "checkpoint": str(path), "checkpoint_num_heads": config.num_heads,
                    "variant": config.variant},
     }
+
+
+def batch_size_schedule(disable_at: Any, k: int) -> list[list[int]]:
+    """vLLM's dynamic speculative-decoding schedule (``num_speculative_tokens_per_batch_size``,
+    inclusive batch-size ranges -> K) for Clover's ``disable_by_batch_size`` option: K drafts
+    below ``disable_at`` running requests, none from there on (the tail is carried forward).
+
+    Why: verification multiplies the target's work by K+1 tokens per request; once the batch
+    makes the target compute-bound (CPU: a handful of requests) drafting only costs.
+    """
+    if isinstance(disable_at, bool) or not isinstance(disable_at, int) or disable_at < 1:
+        raise CloverSpecError(f"disable_by_batch_size must be an integer >= 1, got {disable_at!r}")
+    if disable_at == 1:
+        return [[1, 1, 0]]
+    return [[1, disable_at - 1, k], [disable_at, disable_at, 0]]
 
 
 def draft_vocab_size(value: Any, path: Path, vocab_size: int) -> int:

@@ -158,15 +158,19 @@ class CloverProposer(MedusaProposer):
         batch = runner.input_batch
         b = batch.num_reqs
         n = scheduler_output.total_num_scheduled_tokens
+        x = aux_hidden_states[0][:n]
+        k = min(scheduler_output.num_spec_tokens_to_schedule, self.num_speculative_tokens)
+        if k <= 0:
+            # Speculation is off for this batch size (disable_by_batch_size / vLLM's dynamic
+            # schedule): skip the trunk too, so a large batch pays nothing for Clover. These
+            # positions get no trunk KV; drafts made later over them attend to zeros or stale
+            # entries there: lower acceptance for those requests, never a wrong output.
+            return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         positions = runner.positions[:n]
         y, last, first = trunk_inputs(batch.token_ids_cpu_tensor,
                                       batch.num_tokens_no_spec_cpu_tensor,
                                       positions.cpu(), common_attn_metadata.query_start_loc_cpu[: b + 1])
-        x = aux_hidden_states[0][:n]
         z = self._run_trunk(runner, x, y.to(x.device), positions, common_attn_metadata, slot_mappings, n)
-        k = min(scheduler_output.num_spec_tokens_to_schedule, self.num_speculative_tokens)
-        if k <= 0:
-            return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         drafts, probs = self._draft(z[last.to(x.device)], first.to(x.device), k, sampling_metadata, b)
         if self.records is not None:
             self._record(batch, positions.cpu()[last], drafts.cpu())
