@@ -94,14 +94,9 @@ def load_drafter(directory: str | os.PathLike, target_config: Any = None, device
 
 def load_config(directory: str | os.PathLike) -> CloverConfig:
     """Read and validate ``<directory>/config.json`` (errors as CloverCheckpointError)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CloverCheckpointError(f"checkpoint directory {directory} does not exist")
-    path = directory / CONFIG_NAME
-    if not path.is_file():
-        raise CloverCheckpointError(f"{path}: missing (not a vllm-clover checkpoint directory)")
+    data = read_json_dict(directory, CloverCheckpointError, "vllm-clover checkpoint")
     try:
-        return CloverConfig.load(path)
+        return CloverConfig.from_dict(data, source=str(Path(directory) / CONFIG_NAME))
     except CloverConfigError as exc:
         raise CloverCheckpointError(str(exc)) from None
 

@@ -272,15 +272,11 @@ class CloverConfig:
     def load(cls, path: str | os.PathLike) -> "CloverConfig":
         """Read a ``config.json`` file, or the one inside directory ``path``."""
         path = Path(path)
-        if path.is_dir():
-            path = path / CONFIG_NAME
-        if not path.is_file():
-            raise CloverConfigError(f"{path}: file not found")
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CloverConfigError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, source=str(path))
+        directory = path if path.is_dir() else path.parent
+        if not path.is_dir() and path.name != CONFIG_NAME:
+            raise CloverConfigError(f"{path}: expected a directory or a {CONFIG_NAME} file")
+        data = read_json_dict(directory, CloverConfigError, "Clover config")
+        return cls.from_dict(data, source=str(directory / CONFIG_NAME))
 
     # ------------------------------------------------------------------ target checks
     def target_mismatch(self, target: Any) -> str | None:
