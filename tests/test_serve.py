@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from tests.conftest import venv_bin
+from tests.test_clover_serve import check_concurrent_mixed_clients
 from vllm_clover.training import shipped_heads_dir
 from tests.server import free_port, running_server
 
@@ -53,8 +54,11 @@ def test_vllm_clover_serve_default_model(tmp_path: Path) -> None:
         _check_answers(server, "SmolLM2-135M-Instruct")
         log = server.log_tail(200_000)
         assert "--dtype float32" in log and "curl http://127.0.0.1" in log
+        server.model = "SmolLM2-135M-Instruct"
+        check_concurrent_mixed_clients(server)  # the README server, concurrent mixed clients
         if (shipped_heads_dir() / "config.json").is_file():  # Clover on, with the shipped heads
-            assert '"method": "clover"' in log and str(shipped_heads_dir()) in log
+            # (the server's copy of the heads is the installed package's, not this checkout's)
+            assert '"method": "clover"' in log and f"heads/{shipped_heads_dir().name}" in log
             metrics = requests.get(server.url + "/metrics", timeout=30).text
             drafted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                        if line.startswith("vllm:spec_decode_num_draft_tokens_total")]
