@@ -139,6 +139,7 @@ def test_matched_token_value_init_makes_the_token_visible():
     d = CloverDrafter(tiny_config("clover2"))
     h, e1, e2 = 33.0 * torch.randn(16, H), 0.13 * torch.randn(16, H), 0.13 * torch.randn(16, H)
 
+    @torch.no_grad()
     def token_effect() -> float:
         dec = d.trunk_decoder
         return float((dec(h, e1) - dec(h, e2)).norm() / h.norm())
