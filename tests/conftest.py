@@ -22,6 +22,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end test that starts vLLM (runs in CI)")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models and tensors: one intra-op thread is several times faster than two on a
+    loaded 2-core machine (thread start-up and contention dominate); restored after.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from vllm_clover.default_model import ensure_default_model

@@ -21,7 +21,9 @@ from vllm_clover import evaluate as E
 from vllm_clover import training as T
 from vllm_clover.features import load_target_head, rms_norm
 
-from .test_training import _args, _cli_error, _one_thread  # noqa: F401  (_one_thread: autouse)
+from .test_training import _args, _cli_error
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 METHODS = ("medusa", "eagle")
 STEPS = 30

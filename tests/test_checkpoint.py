@@ -15,8 +15,9 @@ from vllm_clover.checkpoint import (
     save_drafter,
 )
 from vllm_clover.config import CloverConfig, CloverConfigError
-from tests.test_model import _one_thread  # noqa: F401  (autouse fixture: 1 intra-op thread)
 from tests.test_model import H, V, make_drafter, official_state_dict, rand_inputs, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TOP_LEVEL = {"architectures", "model_type", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers", "clover"}
 

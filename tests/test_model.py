@@ -22,14 +22,7 @@ H, V, B, T = 64, 128, 2, 12
 VARIANTS = ("clover2", "clover")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: one intra-op thread is several times faster than two on a
-    loaded 2-core machine (thread contention dominates), so pin it and restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_config(variant: str = "clover2", **kw) -> CloverConfig:

@@ -24,12 +24,7 @@ from vllm_clover.model import clover_loss
 from .test_model import H, V, make_drafter, rand_inputs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _args(tiny_target: Path, convs_file: Path, out: Path, **kw) -> T.TrainArgs:

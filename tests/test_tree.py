@@ -19,12 +19,7 @@ BRIEF_MC_SIM = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 
 ALL_TREES = ["mc_sim_7b_63", "small_10", "chain1", "chain5"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: thread start-up costs more than it saves
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ============================================================================ structure

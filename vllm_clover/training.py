@@ -591,6 +591,8 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     t_start = time.perf_counter()
     if args.method not in METHODS:
         raise TrainingError(f"--method {args.method!r} is not supported (choose one of {', '.join(METHODS)})")
+    if args.token_value_init not in ("official", "matched"):
+        raise TrainingError(f"--token-value-init must be official or matched, got {args.token_value_init!r}")
     if args.method != "clover" and args.token_value_init != "official":
         raise TrainingError("--token-value-init applies to --method clover only")
     if args.variant not in ("clover2", "clover"):
@@ -642,8 +644,6 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         first = collate_features([ds[i] for i in plan.epoch(0)[0]])
         scales = match_token_value_scale(drafter, token_state_rms(drafter, first), rms(drafter.embed_weight))
         _log("token value projections initialised as s*I: " + ", ".join(f"{k} s={v:.1f}" for k, v in scales.items()))
-    elif args.token_value_init != "official":
-        raise TrainingError(f"--token-value-init must be official or matched, got {args.token_value_init!r}")
     total_steps = args.steps if args.steps is not None else plan.steps_for_epochs(args.epochs)
     if total_steps < 1:
         raise TrainingError("the run has 0 steps (too few conversations or epochs)")
