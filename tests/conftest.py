@@ -8,6 +8,7 @@ size (vLLM's default reserves 92% of RAM).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -251,3 +252,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         reason = KNOWN_FAILURES.get(item.nodeid)
         if reason:
             item.add_marker(pytest.mark.xfail(reason=f"known defect: {reason}", strict=False))
+
+
+# --- why did it fail? ---------------------------------------------------------------------
+# An engine that dies at start-up reports "Engine core initialization failed. See root cause
+# above." and the root cause sits in the failed test's captured stderr, far above the tail
+# of a CI log. Repeat each distinct exception line from failed tests' captured output, and
+# the memory/disk figures vLLM's start-up checks use, at the very end of the run.
+_EXCEPTION_LINE = re.compile(r"\b((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)")
+_NOT_A_ROOT_CAUSE = ("Engine core initialization failed", "See root cause above")
+
+
+def root_cause_lines(texts: list[str], limit: int = 15) -> list[str]:
+    """Distinct ``SomeError: message`` lines in ``texts``, first-seen order, at most ``limit``."""
+    seen: dict[str, None] = {}
+    for text in texts:
+        for match in _EXCEPTION_LINE.finditer(text):
+            line = f"{match.group(1)}: {match.group(2).strip()}"[:400]
+            if not any(s in line for s in _NOT_A_ROOT_CAUSE):
+                seen.setdefault(line, None)
+    return list(seen)[:limit]
+
+
+def _machine_snapshot() -> list[str]:
+    import shutil
+
+    lines = [f"disk free: {shutil.disk_usage(REPO).free / 2**30:.1f} GiB under {REPO}, "
+             f"{shutil.disk_usage('/tmp').free / 2**30:.1f} GiB under /tmp"]
+    if os.path.isdir("/dev/shm"):  # vLLM's message queues want ~400 MiB there
+        lines.append(f"/dev/shm free: {shutil.disk_usage('/dev/shm').free / 2**20:.0f} MiB")
+    try:
+        from vllm.utils import cpu_resource_utils as cru
+
+        info = cru.get_memory_node_info(0)
+        lines.append(f"vLLM memory view (node 0): {info.available_memory / 2**30:.1f} of "
+                     f"{info.total_memory / 2**30:.1f} GiB available; cgroup limit "
+                     f"{cru.get_cgroup_memory_limit()}, usage {cru.get_cgroup_memory_usage()}")
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the run
+        lines.append(f"vLLM memory view unavailable: {exc!r}")
+    return lines
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    result = yield  # after pytest's own summaries: the last thing a log tail shows
+    failed = [r for key in ("failed", "error") for r in terminalreporter.stats.get(key, [])]
+    if not failed:
+        return result
+    texts = [content for r in failed for _, content in getattr(r, "sections", [])]
+    texts += [str(getattr(r, "longrepr", "") or "") for r in failed]
+    terminalreporter.section("root causes in failed tests' output")
+    for line in root_cause_lines(texts) + _machine_snapshot():
+        terminalreporter.write_line(line)
+    return result

@@ -88,3 +88,40 @@ def test_stock_vllm_console_script_runs() -> None:
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith(PINNED_VLLM_VERSION)
+
+
+def _cgroup(root, files: dict[str, str]):
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_cgroup_usage_leaves_out_page_cache(tmp_path) -> None:
+    from vllm_clover.cpu_env import cgroup_memory_usage_without_page_cache as usage
+
+    gib = 1 << 30
+    v2 = _cgroup(tmp_path / "v2", {
+        "memory.max": f"{6 * gib}\n", "memory.current": f"{5 * gib}\n",
+        "memory.stat": f"anon {gib}\nactive_file {gib}\ninactive_file {2 * gib}\n"
+                       f"slab_reclaimable {gib // 2}\nshmem 123\n"})
+    assert usage(v2, tmp_path / "none") == 5 * gib - (gib + 2 * gib + gib // 2)
+    v1 = _cgroup(tmp_path / "v1", {
+        "memory.limit_in_bytes": f"{6 * gib}\n", "memory.usage_in_bytes": f"{5 * gib}\n",
+        "memory.stat": f"cache {4 * gib}\ntotal_active_file {gib}\ntotal_inactive_file {3 * gib}\n"})
+    assert usage(tmp_path / "none", v1) == gib
+    # No limit (v2 "max", v1's huge sentinel, or no files): None, as vLLM's own reader.
+    (v2 / "memory.max").write_text("max\n")
+    unlimited_v1 = _cgroup(tmp_path / "v1u", {"memory.limit_in_bytes": "9223372036854771712\n"})
+    assert usage(v2, unlimited_v1) is None
+    assert usage(tmp_path / "none", tmp_path / "none") is None
+
+
+def test_vllm_memory_check_uses_cgroup_usage_without_page_cache() -> None:
+    from vllm.utils import cpu_resource_utils
+
+    from vllm_clover import cpu_env, patches
+
+    patches.apply_all()
+    assert cpu_resource_utils.get_cgroup_memory_usage() == cpu_env.cgroup_memory_usage_without_page_cache()
+    assert cpu_resource_utils.get_cgroup_memory_usage.__vllm_clover_wrapped__

@@ -59,3 +59,76 @@ def is_cpu_platform() -> bool:
         return True
     except PackageNotFoundError:
         return False
+
+
+# --- cgroup memory: page cache is not "used" -------------------------------------------
+# vLLM's CPU worker refuses to start when its KV cache exceeds "available" memory, and under
+# a cgroup memory limit it clamps that to limit - usage (utils/cpu_resource_utils.py,
+# get_memory_node_info). cgroup usage (v2 memory.current, v1 memory.usage_in_bytes) counts
+# the page cache, so after a pip install or a large file copy a container with a limit
+# reads as full and every engine start fails with "Available memory ... is less than
+# requested memory for kv", although the kernel would reclaim that cache at once. vLLM's
+# own node-level figure already counts file pages and reclaimable slab as available; we
+# subtract the same from the cgroup usage. Reproduced with a 6 GiB cgroup filled by 5.6 GB
+# of page cache (docs/cpu-defaults.md).
+
+_CGROUP_V2 = Path("/sys/fs/cgroup")
+_CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+# memory.stat keys of reclaimable memory: v2 names, then v1 (hierarchical) names.
+_V2_RECLAIMABLE = ("active_file", "inactive_file", "slab_reclaimable")
+_V1_RECLAIMABLE = ("total_active_file", "total_inactive_file")
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None  # missing file, or "max" (no limit)
+
+
+def _memory_stat(path: Path) -> dict[str, int]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    stat = {}
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            stat[key] = int(value)
+    return stat
+
+
+def cgroup_memory_usage_without_page_cache(root_v2: Path = _CGROUP_V2,
+                                            root_v1: Path = _CGROUP_V1) -> int | None:
+    """Non-reclaimable memory charged to this cgroup, in bytes, or None without a limit.
+
+    Same files and same None cases as vLLM's ``get_cgroup_memory_usage`` (v2 when
+    ``memory.max`` holds a number, else v1 with a real ``memory.limit_in_bytes``), minus the
+    page cache and reclaimable slab listed in ``memory.stat``.
+    """
+    if _read_int(root_v2 / "memory.max") is not None:
+        usage, stat, keys = (_read_int(root_v2 / "memory.current"),
+                             _memory_stat(root_v2 / "memory.stat"), _V2_RECLAIMABLE)
+    else:
+        limit = _read_int(root_v1 / "memory.limit_in_bytes")
+        if limit is None or limit >= 1 << 62:  # v1's "unlimited" sentinel
+            return None
+        usage, stat, keys = (_read_int(root_v1 / "memory.usage_in_bytes"),
+                             _memory_stat(root_v1 / "memory.stat"), _V1_RECLAIMABLE)
+    if usage is None:
+        return None
+    return max(0, usage - sum(stat.get(k, 0) for k in keys))
+
+
+def install_cgroup_usage_fix() -> None:
+    """Make vLLM's cgroup clamp of available CPU memory ignore reclaimable page cache."""
+    from vllm.utils import cpu_resource_utils
+
+    if getattr(cpu_resource_utils.get_cgroup_memory_usage, "__vllm_clover_wrapped__", False):
+        return
+    usage = cgroup_memory_usage_without_page_cache
+    fixed = lambda: usage()  # noqa: E731 - a fresh function object to carry the marker
+    fixed.__vllm_clover_wrapped__ = True  # type: ignore[attr-defined]
+    fixed.__doc__ = usage.__doc__
+    cpu_resource_utils.get_cgroup_memory_usage = fixed

@@ -252,6 +252,29 @@ def _check_cpu_expand_fix() -> None:
     assert callable(dispatcher.register_kernels) and isinstance(dispatcher._registry, dict)
 
 
+def _install_cgroup_usage_fix() -> None:
+    from vllm_clover import cpu_env
+
+    cpu_env.install_cgroup_usage_fix()
+
+
+def _check_cgroup_usage_fix() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    # Read vLLM's file: the module attribute may already be ours.
+    src = Path(importlib.util.find_spec("vllm.utils.cpu_resource_utils").origin).read_text()
+    usage = src[src.index("def get_cgroup_memory_usage("):]
+    usage = usage[: usage.index("\ndef ", 1)]
+    assert '"/sys/fs/cgroup/memory.current"' in usage and "memory.usage_in_bytes" in usage
+    assert "inactive_file" not in usage and "memory.stat" not in usage, \
+        "vLLM's cgroup usage now looks at memory.stat (page cache handled?): re-check, maybe drop"
+    node = src[src.index("def get_memory_node_info("):]
+    node = node[: node.index("\ndef ", 1)]
+    assert "cgroup_usage = get_cgroup_memory_usage()" in node
+    assert "cgroup_limit - (cgroup_usage or 0)" in node
+
+
 def _source(obj: object) -> str:
     import inspect
 
@@ -372,6 +395,21 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM's CPU expand_kernel fallback copies its result back (check fails then)",
         apply=_install_cpu_expand_fix,
         check=_check_cpu_expand_fix,
+    ),
+    Patch(
+        name="cpu-cgroup-usage-excludes-page-cache",
+        target="vllm.utils.cpu_resource_utils.get_cgroup_memory_usage",
+        why=(
+            "vLLM 0.32 CPU: under a cgroup memory limit, available memory = limit - usage, "
+            "and usage counts the page cache, so a container whose cache filled up (pip "
+            "install, file copies) refuses every engine start ('Available memory ... less "
+            "than requested memory for kv'). Our usage subtracts the reclaimable file pages "
+            "and slab listed in memory.stat, as vLLM's node-level figure already does. "
+            "Process-wide, every engine (a platform fix, not engine behaviour)."
+        ),
+        remove_when="vLLM's cgroup usage excludes reclaimable memory (check fails then)",
+        apply=_install_cgroup_usage_fix,
+        check=_check_cgroup_usage_fix,
     ),
     Patch(
         name="runner-clover-always-drafts",
