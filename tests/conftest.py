@@ -17,10 +17,25 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # Tests spawn vLLM processes; keep them on the CPU defaults the product uses.
 os.environ.setdefault("VLLM_CLOVER_TEST", "1")
+# vLLM's multiprocess executor on CPU puts ~400 MiB of message queues in /dev/shm; a
+# container's default 64 MiB makes every engine start fail ("Insufficient space in
+# /dev/shm"). There, run the executor in the EngineCore process (no shared memory; checked
+# with a 64 MiB /dev/shm: tests pass) and say so in the summary. docs/cpu-defaults.md.
+SHM_NEEDED = 512 << 20
+SMALL_SHM_NOTE = ""
+if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+        and __import__("shutil").disk_usage("/dev/shm").free < SHM_NEEDED):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    SMALL_SHM_NOTE = ("/dev/shm has under 512 MiB free: tests ran vLLM with "
+                      "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process executor)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end test that starts vLLM (runs in CI)")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return SMALL_SHM_NOTE or None
 
 
 @pytest.fixture
