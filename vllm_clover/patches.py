@@ -231,19 +231,14 @@ def _install_cpu_expand_fix() -> None:
 
 def _check_cpu_expand_fix() -> None:
     import importlib
-    import importlib.util
-    from pathlib import Path
 
     from vllm.platforms.cpu import CpuPlatform
     from vllm.triton_utils import dispatcher
 
     from vllm_clover.runner_hooks import EXPAND_KERNEL
 
-    # The bug worked around, read from vLLM's file (the module attribute may be ours):
-    # int64 copies of output and input, the result never copied back.
-    src = Path(importlib.util.find_spec("vllm.utils.cpu_triton_utils").origin).read_text()
-    body = src[src.index("def _expand_kernel_impl("):]
-    body = body[: body.index("\ndef ", 1)]
+    # The bug worked around: int64 copies of output and input, the result never copied back.
+    body = _file_function_source("vllm.utils.cpu_triton_utils", "_expand_kernel_impl")
     assert "_ensure_int64(output)" in body and ".copy_(" not in body, \
         "vLLM's CPU expand_kernel fallback changed (fixed?): re-check, maybe drop this patch"
     assert "cpu_tl._expand_kernel_impl" in _source(CpuPlatform.register_triton_kernel_overrides)
@@ -259,20 +254,23 @@ def _install_cgroup_usage_fix() -> None:
 
 
 def _check_cgroup_usage_fix() -> None:
-    import importlib.util
-    from pathlib import Path
-
-    # Read vLLM's file: the module attribute may already be ours.
-    src = Path(importlib.util.find_spec("vllm.utils.cpu_resource_utils").origin).read_text()
-    usage = src[src.index("def get_cgroup_memory_usage("):]
-    usage = usage[: usage.index("\ndef ", 1)]
+    usage = _file_function_source("vllm.utils.cpu_resource_utils", "get_cgroup_memory_usage")
     assert '"/sys/fs/cgroup/memory.current"' in usage and "memory.usage_in_bytes" in usage
     assert "inactive_file" not in usage and "memory.stat" not in usage, \
         "vLLM's cgroup usage now looks at memory.stat (page cache handled?): re-check, maybe drop"
-    node = src[src.index("def get_memory_node_info("):]
-    node = node[: node.index("\ndef ", 1)]
+    node = _file_function_source("vllm.utils.cpu_resource_utils", "get_memory_node_info")
     assert "cgroup_usage = get_cgroup_memory_usage()" in node
     assert "cgroup_limit - (cgroup_usage or 0)" in node
+
+
+def _file_function_source(module: str, function: str) -> str:
+    """A top-level function's text as in vLLM's file (the module attribute may be ours)."""
+    import importlib.util
+    from pathlib import Path
+
+    src = Path(importlib.util.find_spec(module).origin).read_text()
+    body = src[src.index(f"def {function}("):]
+    return body[: body.index("\ndef ", 1)]
 
 
 def _source(obj: object) -> str:
