@@ -224,6 +224,12 @@ def print_table(results: list[dict]) -> None:
               f"{r['mean_acceptance_length']:10.2f} {dc:>10s}  {pos}")
 
 
+def _label(method: str) -> str:
+    """A method spec without the directories of its checkpoint path (chart labels)."""
+    name, _, rest = method.partition(":")
+    return f"{name}:{rest.split('/')[-1]}" if rest else name
+
+
 def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
     import matplotlib
 
@@ -235,16 +241,30 @@ def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
             f"x{conditions['num_prompts']}, {conditions['max_tokens']} new tokens, T={conditions['temperature']}, "
             f"{conditions['cpus']} CPUs")
     methods = list(dict.fromkeys(r["method"] for r in results))
+    batch_sizes = sorted({r["batch_size"] for r in results})
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m in methods:
-        rows = [r for r in results if r["method"] == m]
-        ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
-                label=m.split("/")[-1] if "/" in m else m)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Throughput by batch size", fontsize=11)
-    ax.legend(fontsize=8)
+    if len(batch_sizes) == 1:  # one batch size: bars, labelled with the speedup
+        rows = [next(r for r in results if r["method"] == m) for m in methods]
+        bars = ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows], color="tab:blue")
+        ax.set_yticks(range(len(rows)), [_label(m) for m in methods], fontsize=8)
+        ax.invert_yaxis()
+        for bar, r in zip(bars, rows):
+            sp = r.get("speedup_vs_vanilla")
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                    f" {r['tokens_per_s']:.1f}" + (f" ({sp:.2f}x)" if sp else ""), va="center", fontsize=8)
+        ax.set_xlabel("output tokens / s")
+        ax.set_xlim(0, 1.25 * max(r["tokens_per_s"] for r in rows))
+        ax.set_title(f"Throughput at batch {batch_sizes[0]}", fontsize=11)
+    else:
+        for m in methods:
+            rows = [r for r in results if r["method"] == m]
+            ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
+                    label=_label(m))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens / s")
+        ax.set_title("Throughput by batch size", fontsize=11)
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.text(0.01, 0.01, note, fontsize=7)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -258,7 +278,7 @@ def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
         row = [r for r in results if r["method"] == m and r["batch_size"] == b0]
         if row and row[0]["acceptance_per_position"]:
             acc = row[0]["acceptance_per_position"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=m.split("/")[-1] if "/" in m else m)
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=_label(m))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (per draft)")
     ax.set_title(f"Acceptance per draft position (batch {b0})", fontsize=11)

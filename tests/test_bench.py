@@ -86,3 +86,19 @@ def test_cli_dispatches_bench_and_fails_fast_on_bad_method(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "--methods", "vanilla,warp"])
     assert "unknown method 'warp'" in str(exc.value)
+
+
+@pytest.mark.parametrize("batch_sizes", [[1], [1, 8]])
+def test_plot_writes_throughput_and_acceptance_charts(tmp_path, batch_sizes) -> None:
+    results = [dict(method=m, batch_size=b, tokens_per_s=10.0 + i + b, mean_acceptance_length=1.5,
+                    acceptance_per_position=[0.4, 0.1] if m != "vanilla" else [],
+                    speedup_vs_vanilla=1.0 + i / 10)
+               for i, m in enumerate(["vanilla", "clover:/x/heads/h@2?draft_vocab_size=4096"])
+               for b in batch_sizes]
+    conditions = dict(model_name="m", dtype="float32", prompt_set="mtbench", num_prompts=2,
+                      max_tokens=8, temperature=0.0, cpus=2)
+    paths = bench.plot(results, tmp_path, conditions)
+    assert [p.name for p in paths] == ["throughput.png", "acceptance.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+    assert bench._label("clover:/x/heads/h@2?k=1") == "clover:h@2?k=1"
+    assert bench._label("vanilla") == "vanilla"
