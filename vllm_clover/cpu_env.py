@@ -32,16 +32,35 @@ def iomp_library() -> Path | None:
     return None
 
 
+def _is_torch_libgomp(path: str) -> bool:
+    """PyTorch's bundled GNU OpenMP (``site-packages/torch.libs`` or ``torch/lib``)."""
+    p = Path(path)
+    return p.name.startswith("libgomp") and (p.parent.name == "torch.libs"
+                                              or (p.parent.name == "lib" and p.parent.parent.name == "torch"))
+
+
 def with_iomp_preload(env: dict[str, str]) -> dict[str, str]:
-    """Return a copy of ``env`` whose LD_PRELOAD starts with libiomp5 (when available)."""
+    """Return a copy of ``env`` whose LD_PRELOAD starts with libiomp5 (when available).
+
+    vLLM's CPU platform preloads PyTorch's libgomp when it builds an engine config in a
+    process whose LD_PRELOAD names no OpenMP runtime yet (``platforms/cpu.py``, for thread
+    binding), and its executor asserts that LD_PRELOAD does not name both libiomp and
+    libgomp (``utils/ompmultiprocessing.py``). So that automatic libgomp is replaced by
+    libiomp5, while an OpenMP runtime the user put there (any other libgomp or libomp) is
+    left alone, without libiomp5.
+    """
     env = dict(env)
     lib = iomp_library()
     if (lib is None or env.get("VLLM_CLOVER_PRELOAD_IOMP", "1") == "0"
             or platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64")):
         return env
     current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    if not any(Path(p).name.startswith("libiomp") for p in current):
-        env["LD_PRELOAD"] = ":".join([str(lib), *current])
+    if any(Path(p).name.startswith("libiomp") for p in current):
+        return env
+    current = [p for p in current if not _is_torch_libgomp(p)]
+    if any(Path(p).name.startswith(("libgomp", "libomp")) for p in current):
+        return env  # the user's choice of OpenMP runtime
+    env["LD_PRELOAD"] = ":".join([str(lib), *current])
     return env
 
 
