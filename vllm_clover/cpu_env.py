@@ -9,6 +9,8 @@
 - KV cache: vLLM's CPU default reserves ``gpu_memory_utilization`` (0.92) of *all* RAM and
   refuses to start when less is free; our entry points pass an explicit size instead
   (``DEFAULT_KV_CACHE_BYTES``), which also skips the warm-up pass.
+- cgroup memory: vLLM's start-up check counts page cache as used under a cgroup limit;
+  ``install_cgroup_usage_fix`` (patch ``cpu-cgroup-usage-excludes-page-cache``) corrects it.
 """
 
 from __future__ import annotations
