@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ os.environ.setdefault("VLLM_CLOVER_TEST", "1")
 SHM_NEEDED = 512 << 20
 SMALL_SHM_NOTE = ""
 if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
-        and __import__("shutil").disk_usage("/dev/shm").free < SHM_NEEDED):
+        and shutil.disk_usage("/dev/shm").free < SHM_NEEDED):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     SMALL_SHM_NOTE = ("/dev/shm has under 512 MiB free: tests ran vLLM with "
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process executor)")
@@ -61,8 +62,6 @@ def default_model_dir() -> Path:
 def make_tiny_llama(out: Path, default_model_dir: Path, **overrides) -> Path:
     """Save a random 2-layer Llama (hidden 32 unless ``overrides`` say otherwise) with the
     default model's tokenizer and chat template into ``out``; returns ``out``."""
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -298,8 +297,6 @@ def root_cause_lines(texts: list[str], limit: int = 15) -> list[str]:
 
 
 def _machine_snapshot() -> list[str]:
-    import shutil
-
     lines = [f"disk free: {shutil.disk_usage(REPO).free / 2**30:.1f} GiB under {REPO}, "
              f"{shutil.disk_usage('/tmp').free / 2**30:.1f} GiB under /tmp"]
     if os.path.isdir("/dev/shm"):  # vLLM's message queues want ~400 MiB there
