@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_CLOVER_TEST", "1")
 # vLLM's multiprocess executor on CPU puts ~400 MiB of message queues in /dev/shm; a
 # container's default 64 MiB makes every engine start fail ("Insufficient space in
 # /dev/shm"). There, run the executor in the EngineCore process (no shared memory; checked
-# with a 64 MiB /dev/shm: tests pass) and say so in the summary. docs/cpu-defaults.md.
+# with a 64 MiB /dev/shm: test_vllm_e2e and test_serve pass) and say so in the header. docs/cpu-defaults.md.
 SHM_NEEDED = 512 << 20
 SMALL_SHM_NOTE = ""
 if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
