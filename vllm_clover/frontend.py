@@ -34,8 +34,11 @@ METHOD = "clover"
 # draft_vocab_size (int, 0 = full vocabulary): the heads score only the checkpoint's N most
 # frequent response tokens (vllm_clover/draft_vocab.py); validated by draft_vocab_size().
 # disable_by_batch_size (int): no drafts once this many requests run (batch_size_schedule()).
+# tree ("chain" = off, a preset name, "chain<K>", or a list of top-k paths) and
+# tree_token_budget (int): batched tree verification (tree_option(), tree_verify.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
-DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0}
+DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
+                                   "tree_token_budget": 96}
 
 
 class CloverSpecError(ValueError):
@@ -131,11 +134,22 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
         options["draft_vocab_size"] = draft_vocab_size(spec.pop("draft_vocab_size"), path, config.vocab_size)
     disable_at = spec.pop("disable_by_batch_size", None)
     k = spec.pop("num_speculative_tokens", None)
+    tree = tree_option(spec.pop("tree", None), config.num_heads)
+    options["tree_token_budget"] = token_budget(spec.pop("tree_token_budget", DEFAULT_OPTIONS["tree_token_budget"]))
+    if tree is not None:
+        # vLLM sizes its draft buffers, KV slots and metrics by num_speculative_tokens: with a
+        # tree that is the node count N (drafts are the BFS-ordered nodes), not the head count.
+        if k is not None and k != tree.num_nodes:
+            raise CloverSpecError(
+                f"with tree {tree.name!r}, num_speculative_tokens is its node count "
+                f"({tree.num_nodes}); leave it out (got {k!r})")
+        k = tree.num_nodes
+        options.update(tree=[list(p) for p in tree.paths], tree_name=tree.name, tree_depth=tree.max_depth)
     if k is None:
         k = config.num_heads
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise CloverSpecError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-    if k > config.num_heads:
+    if tree is None and k > config.num_heads:
         raise CloverSpecError(
             f"num_speculative_tokens={k} is larger than the {config.num_heads} heads of "
             f"Clover checkpoint {path}; use at most {config.num_heads}")
@@ -165,6 +179,39 @@ def batch_size_schedule(disable_at: Any, k: int) -> list[list[int]]:
     if disable_at == 1:
         return [[1, 1, 0]]
     return [[1, disable_at - 1, k], [disable_at, disable_at, 0]]
+
+
+def tree_option(value: Any, num_heads: int) -> Any:
+    """The ``tree`` option -> a ``tree.StaticTree``, or None for chain drafting.
+
+    Accepted: None / "chain" (off), a preset name (``tree.PRESETS``), "chain<K>", or a list
+    of top-k paths (Medusa / EAGLE style, e.g. ``[[0], [1], [0, 0]]``). Its depth must not
+    exceed the checkpoint's heads (head d drafts depth d+1)."""
+    from vllm_clover.tree import PRESETS, StaticTree, get_tree
+
+    if value is None or value == "chain":
+        return None
+    try:
+        if isinstance(value, str):
+            tree = get_tree(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in value):
+            tree = StaticTree([tuple(p) for p in value], name="custom")
+        else:
+            raise ValueError(f"expected a preset name, 'chain<K>' or a list of paths, got {value!r}")
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CloverSpecError(f"clover option tree: {str(exc).strip(chr(39))} "
+                              f"(presets: {sorted(PRESETS)}, 'chain<K>', or a list of top-k paths)") from None
+    if tree.max_depth > num_heads:
+        raise CloverSpecError(f"clover option tree {tree.name!r} is {tree.max_depth} deep but the "
+                              f"checkpoint has {num_heads} heads (one per depth)")
+    return tree
+
+
+def token_budget(value: Any) -> int:
+    """``tree_token_budget``: verify tokens per step a tree may take, B * (N + 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CloverSpecError(f"tree_token_budget must be an integer >= 1, got {value!r}")
+    return value
 
 
 def draft_vocab_size(value: Any, path: Path, vocab_size: int) -> int:

@@ -223,6 +223,51 @@ def _check_runner_sample_tokens() -> None:
     assert "execute_model_state" in _source(GPUModelRunner.sample_tokens)
 
 
+def _install_tree_prepare_inputs() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_prepare_inputs()
+
+
+def _check_tree_prepare_inputs() -> None:
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.block_table import BlockTable
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert _params(GPUModelRunner._prepare_inputs)[:2] == ["self", "scheduler_output"]
+    src = _source(GPUModelRunner._prepare_inputs)
+    # Slots are computed from the sequential positions inside _prepare_inputs, so positions
+    # overwritten afterwards change RoPE only (each tree node keeps its own slot).
+    assert src.index("self.positions[:total_num_scheduled_tokens] = (") < src.index("compute_slot_mapping(")
+    assert "slot_mapping" in _source(BlockTable.__init__)
+    # The rejection sampler is a plain attribute, called as (metadata, draft_probs, logits, sm).
+    assert "self.rejection_sampler = RejectionSampler(" in _source(GPUModelRunner.__init__)
+    assert "self.rejection_sampler(" in _source(GPUModelRunner._sample)
+    assert {"draft_token_ids", "num_draft_tokens", "cu_num_draft_tokens", "cu_num_sampled_tokens",
+            "target_logits_indices", "bonus_logits_indices", "logits_indices"} == \
+        set(SpecDecodeMetadata.__dataclass_fields__)
+    # Drafts may be returned as per-request lists (variable length).
+    assert "isinstance(self._draft_token_ids, list)" in _source(GPUModelRunner._get_draft_token_ids_cpu)
+
+
+def _install_tree_cpu_attention() -> None:
+    from vllm_clover import runner_hooks
+
+    runner_hooks.install_cpu_attention()
+
+
+def _check_tree_cpu_attention() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    assert _params(CPUAttentionBackendImpl.forward)[:8] == [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    # K/V are written before forward (do_kv_cache_update), and the layout our views read.
+    assert CPUAttentionBackend.forward_includes_kv_cache_update is False
+    src = _source(CPUAttentionBackendImpl.forward)
+    assert "kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in src
+    assert "kv_cache.chunk(2, dim=2)" in src
+
+
 def _install_cpu_expand_fix() -> None:
     from vllm_clover import runner_hooks
 
@@ -421,6 +466,33 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM asks the proposer whether it needs positions past the sequence",
         apply=_install_runner_fits,
         check=_check_runner_fits,
+    ),
+    Patch(
+        name="runner-tree-positions-and-sampler",
+        target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs (+ runner.rejection_sampler)",
+        why=(
+            "Tree verification (Clover engines with the tree option): after vLLM computed the "
+            "KV slots from sequential positions, the rows of tree requests get RoPE positions "
+            "root + depth, and the step's tree plan is published for the attention hook and "
+            "the TreeRejectionSampler (set as runner.rejection_sampler at init), which picks "
+            "the accepted path, compacts its KV and hands vLLM's sampler a chain."
+        ),
+        remove_when="vLLM verifies token trees itself (its 2025 tree attention came back)",
+        apply=_install_tree_prepare_inputs,
+        check=_check_tree_prepare_inputs,
+    ),
+    Patch(
+        name="cpu-attention-tree-rows",
+        target="vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        why=(
+            "vLLM's CPU attention kernel knows only causal masks. While a tree plan is active "
+            "(target forward of a tree step, never Clover's trunk), the rows of tree requests "
+            "are recomputed with their ancestor mask over the paged KV (kernels.tree_attention)."
+            " A no-op in every engine without a tree plan."
+        ),
+        remove_when="vLLM's CPU attention takes arbitrary masks, or vLLM verifies trees itself",
+        apply=_install_tree_cpu_attention,
+        check=_check_tree_cpu_attention,
     ),
     Patch(
         name="runner-cpu-seeded-partial-prefill",

@@ -18,6 +18,8 @@ request at once from z at its last accepted row. See docs/design-proposer.md.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -31,7 +33,11 @@ from vllm.v1.spec_decode.medusa import MedusaProposer
 from vllm_clover.checkpoint import CloverCheckpointError
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import clover_options
+from vllm_clover.tree import StaticTree, expand_static_tree
+from vllm_clover.tree_verify import (TreeStep, chain_only_reason, select_tree, spine, trunk_view)
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
+
+logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 # vLLM's SamplingMetadata.temperature value for greedy requests (rejection_sampler.py).
@@ -95,6 +101,11 @@ class CloverProposer(MedusaProposer):
         # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
         # None = off; else a list of (req_id, committed token ids, draft token ids).
         self.records: list[tuple[str, list[int], list[int]]] | None = None
+        # Tree mode (tree_verify.py): the configured tree, and per request the tokens and
+        # parent pointers of the tree drafted last, read when its drafts come back scheduled.
+        paths = self.options.get("tree")
+        self.tree: StaticTree | None = StaticTree(paths, self.options.get("tree_name", "custom")) if paths else None
+        self.tree_drafts: dict[str, tuple[list[int], Tensor]] = {}
 
     # ------------------------------------------------------------------ loading
     def load_model(self, target_model: nn.Module) -> None:
@@ -132,18 +143,34 @@ class CloverProposer(MedusaProposer):
         self.spec_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = [
             target_cfg.num_hidden_layers]
         self._layer_names = set(self.model.attn_layer_names)
+        for module in self.model.modules():
+            if getattr(module, "layer_name", None) in self._layer_names:
+                module.clover_trunk = True  # tree_verify's attention hook leaves these alone
+        if self.tree is not None and torch.device(self.device).type == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            from vllm_clover.tree_verify import check_cpu_kv_layout
+
+            mc = self.vllm_config.model_config
+            block_size = self.vllm_config.cache_config.block_size
+            isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), self.vllm_config.cache_config.cache_dtype)
+            check_cpu_kv_layout(isa, mc.dtype, mc.get_head_size(), block_size)
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
     def propose_clover(self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]],
                        sampling_metadata: Any, aux_hidden_states: list[Tensor] | None,
-                       common_attn_metadata: Any, slot_mappings: Any) -> tuple[Tensor, Tensor | None]:
+                       common_attn_metadata: Any, slot_mappings: Any,
+                       tree_step: TreeStep | None = None) -> tuple[Tensor | list[list[int]], Tensor | None]:
         """One drafting step. Returns drafts [B, K] (long) and, when temperature>0 requests
-        draft by sampling, their draft distributions [B, K, V] (float32), else None."""
+        draft by sampling, their draft distributions [B, K, V] (float32), else None. In a
+        tree step the drafts are per-request lists (tree nodes in BFS order, or a chain) and
+        the distributions None. ``tree_step``: this step's verified trees (their accepted
+        paths are the trunk's rows)."""
         t0 = time.perf_counter()
         try:
             return self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
-                                 common_attn_metadata, slot_mappings)
+                                 common_attn_metadata, slot_mappings, tree_step)
         finally:
             if self._sync:
                 torch.cuda.synchronize()
@@ -152,7 +179,7 @@ class CloverProposer(MedusaProposer):
 
     def _propose(self, runner: Any, scheduler_output: Any, sampling_metadata: Any,
                  aux_hidden_states: list[Tensor] | None, common_attn_metadata: Any,
-                 slot_mappings: Any) -> tuple[Tensor, Tensor | None]:
+                 slot_mappings: Any, tree_step: TreeStep | None) -> tuple[Tensor | list[list[int]], Tensor | None]:
         if not aux_hidden_states:
             raise RuntimeError("vllm-clover: the target returned no aux hidden states")
         batch = runner.input_batch
@@ -165,16 +192,64 @@ class CloverProposer(MedusaProposer):
             # schedule): skip the trunk too, so a large batch pays nothing for Clover. These
             # positions get no trunk KV; drafts made later over them attend to zeros or stale
             # entries there: lower acceptance for those requests, never a wrong output.
+            self.tree_drafts = {}
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         positions = runner.positions[:n]
+        cm = common_attn_metadata
+        qsl = cm.query_start_loc_cpu[: b + 1]
+        view = trunk_view(tree_step, qsl.numpy(), b, cm.slot_mapping[:n])
+        if view is not None:
+            # After a tree step: only the accepted paths, as chains on contiguous slots.
+            rows, qsl, slots = view
+            x, positions = x[rows.to(x.device)], positions[rows.to(positions.device)]
+            cm, slot_mappings, n = _chain_view_metadata(cm, qsl, slots, b), None, rows.numel()
         y, last, first = trunk_inputs(batch.token_ids_cpu_tensor,
-                                      batch.num_tokens_no_spec_cpu_tensor,
-                                      positions.cpu(), common_attn_metadata.query_start_loc_cpu[: b + 1])
-        z = self._run_trunk(runner, x, y.to(x.device), positions, common_attn_metadata, slot_mappings, n)
-        drafts, probs = self._draft(z[last.to(x.device)], first.to(x.device), k, sampling_metadata, b)
+                                      batch.num_tokens_no_spec_cpu_tensor, positions.cpu(), qsl)
+        z = self._run_trunk(runner, x, y.to(x.device), positions, cm, slot_mappings, n)
+        z_last, first = z[last.to(x.device)], first.to(x.device)
+        tree = None if self.tree is None else select_tree(
+            self.tree, b, self.options["tree_token_budget"], k)
+        if tree is not None and tree.num_nodes > tree.max_depth:
+            return self._draft_tree(runner, z_last, first, tree), None
+        self.tree_drafts = {}
+        if tree is not None:
+            k = tree.num_nodes  # a chain that fits the batch's token budget
+        drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
         if self.records is not None:
             self._record(batch, positions.cpu()[last], drafts.cpu())
         return drafts, probs
+
+    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, tree: StaticTree) -> list[list[int]]:
+        """Draft ``tree`` for every request (one batched head call per depth, top-k children
+        over the draft vocabulary; deterministic, so verification uses the one-hot rule).
+        Requests that cannot be verified as a tree (``chain_only_reason``) get its top-1
+        spine as a chain. Returns one draft list per request; remembers the trees."""
+
+        def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
+            state, o = self.model.head_step(state, prev, i)
+            return state, self._draft_logits(o)
+
+        def topk(logits: Tensor, k: int) -> tuple[Tensor, None]:
+            local = logits.topk(k, dim=-1).indices
+            return (local if self.draft_ids is None else self.draft_ids[local]), None
+
+        drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
+        top1 = [n - 1 for n in spine(tree)]
+        parent = tree.parent.clone()
+        table: dict[str, tuple[list[int], Tensor]] = {}
+        out = []
+        for req_id, tokens in zip(runner.input_batch.req_ids, drafted):
+            state = runner.requests.get(req_id)
+            reason = chain_only_reason(getattr(state, "sampling_params", None))
+            if reason is None:
+                table[req_id] = (tokens, parent)
+                out.append(tokens)
+            else:
+                logger.debug("vllm-clover: request %s drafts a chain (tree verification cannot do %s)",
+                             req_id, reason)
+                out.append([tokens[j] for j in top1])
+        self.tree_drafts = table
+        return out
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
         """Log (req_id, committed tokens, drafts) for every request whose whole committed
@@ -266,10 +341,27 @@ class CloverProposer(MedusaProposer):
         rows = max(1, min(num_tokens, self.vllm_config.scheduler_config.max_num_seqs))
         state = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
         token = torch.zeros(rows, dtype=torch.long, device=self.device)
-        for i in range(self.num_speculative_tokens):
+        for i in range(self.model.config.num_heads):
             state, o = self.model.head_step(state, token, i)
             token = self._draft_logits(o).argmax(dim=-1)
             token = token if self.draft_ids is None else self.draft_ids[token]
+
+
+def _chain_view_metadata(cm: Any, query_start_loc: Tensor, slots: Tensor, b: int) -> Any:
+    """``cm`` restricted to the rows of a :func:`tree_verify.trunk_view` (query_start_loc
+    [B+1] of the view, slots [M]): each request's sequence ends at its last kept row."""
+    old = cm.query_start_loc_cpu[: b + 1].long()
+    num_computed = cm.seq_lens[:b].cpu().long() - (old[1:] - old[:-1])
+    counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = (num_computed + counts).to(torch.int32)
+    dev = cm.seq_lens.device
+    fields = dict(query_start_loc=query_start_loc.to(dev), query_start_loc_cpu=query_start_loc,
+                  seq_lens=seq_lens.to(dev), num_actual_tokens=int(counts.sum()),
+                  max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                  slot_mapping=slots.to(cm.slot_mapping.device))
+    if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
+        fields["seq_lens_cpu_upper_bound"] = seq_lens
+    return dataclasses.replace(cm, **fields)
 
 
 def _sample_rows(q: Tensor, generators: dict[int, torch.Generator]) -> Tensor:

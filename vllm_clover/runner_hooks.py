@@ -50,6 +50,11 @@ def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
 
             self.drafter = CloverProposer(vllm_config, device)
             self.use_aux_hidden_state_outputs = True
+            if self.drafter.tree is not None:
+                from vllm_clover.tree_verify import TreeRejectionSampler
+
+                self.rejection_sampler = TreeRejectionSampler(
+                    self.rejection_sampler, functools.partial(target_kv_layers, vllm_config))
 
     setattr(__init__, _MARK, True)
     return __init__
@@ -65,11 +70,17 @@ def wrap_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                         common_attn_metadata, slot_mappings)
+        from vllm_clover.tree_verify import active_step, set_active_step
+
         self._draft_probs = None
         self._draft_prob_req_ids = None
+        # The target pass of this step is over: its tree plan goes to the drafter (accepted
+        # paths) and must not reach the trunk's attention.
+        tree_step = active_step()
+        set_active_step(None)
         drafts, probs = self.drafter.propose_clover(
             self, scheduler_output, sampled_token_ids, sampling_metadata, aux_hidden_states,
-            common_attn_metadata, slot_mappings)
+            common_attn_metadata, slot_mappings, tree_step)
         if probs is not None:
             self._draft_probs = probs
             self._draft_prob_req_ids = self.input_batch.req_ids.copy()
@@ -102,6 +113,47 @@ def wrap_sample_tokens(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(sample_tokens, _MARK, True)
     return sample_tokens
+
+
+def wrap_prepare_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, scheduler_output, *args, **kwargs)
+        if getattr(getattr(self, "drafter", None), "tree", None) is not None:
+            from vllm_clover.tree_verify import plan_tree_step, set_active_step
+
+            set_active_step(plan_tree_step(self, scheduler_output))
+        return result
+
+    setattr(_prepare_inputs, _MARK, True)
+    return _prepare_inputs
+
+
+def wrap_cpu_attention(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+                attn_metadata: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        from vllm_clover.tree_verify import active_step, tree_attention_rows
+
+        step = active_step()
+        if (step is not None and attn_metadata is not None
+                and attn_metadata.num_actual_tokens == step.num_tokens
+                and not getattr(layer, "clover_trunk", False) and self.attn_type == "decoder"):
+            tree_attention_rows(self, query, kv_cache, attn_metadata, output, step)
+        return result
+
+    setattr(forward, _MARK, True)
+    return forward
+
+
+def target_kv_layers(vllm_config: Any) -> list[tuple[Any, int]]:
+    """(kv_cache, head_size) of every target attention layer (Clover's trunk excluded)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = vllm_config.compilation_config.static_forward_context.values()
+    return [(m.kv_cache, m.impl.head_size) for m in layers
+            if isinstance(m, Attention) and not getattr(m, "clover_trunk", False) and m.kv_cache.numel()]
 
 
 def hide_discarded_cpu_generators(runner: Any) -> dict[int, Any]:
@@ -182,6 +234,18 @@ def install_fits() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     install(GPUModelRunner, "_input_fits_in_drafter", wrap_fits)
+
+
+def install_prepare_inputs() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    install(GPUModelRunner, "_prepare_inputs", wrap_prepare_inputs)
+
+
+def install_cpu_attention() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    install(CPUAttentionBackendImpl, "forward", wrap_cpu_attention)
 
 
 def install_sample_tokens() -> None:

@@ -13,6 +13,7 @@ KV cache in the target's KV-cache group, with the target's block tables and slot
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer
 
 from vllm_clover.checkpoint import CloverCheckpointError
 from vllm_clover.config import CloverConfig, CloverConfigError
+from vllm_clover.frontend import clover_options
 from vllm_clover.model import CloverDrafter
 
 # HF checkpoint names -> vLLM's fused parameters (param suffix, checkpoint suffix, shard).
@@ -85,6 +87,11 @@ class CloverForSpeculativeDecoding(nn.Module):
         super().__init__()
         draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
         self.config = clover_config_from_hf(draft_hf)
+        options = clover_options(vllm_config)
+        if options.get("tree"):
+            # vLLM set num_heads to num_speculative_tokens, which is the tree's node count in
+            # tree mode; the drafter keeps every head of the checkpoint (one per depth).
+            self.config = dataclasses.replace(self.config, num_heads=options["checkpoint_num_heads"])
         target = vllm_config.model_config
         first = target.hf_text_config.num_hidden_layers
         layer_cfg = aug_layer_config(self.config, target.max_model_len)

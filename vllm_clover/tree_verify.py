@@ -1,0 +1,397 @@
+"""Batched tree verification inside vLLM's V1 runner (one target pass per step).
+
+The proposer drafts a token tree per request (``tree.expand_static_tree``) and hands vLLM
+its nodes in BFS order as ordinary drafts; vLLM's scheduler, KV allocation and continuous
+batching stay untouched (``num_speculative_tokens`` = node count, any BFS prefix is
+ancestor-closed, so the scheduler may truncate). This module turns such a step into tree
+verification, in five places (hooks in ``runner_hooks``, catalogue in ``patches``):
+
+1. ``plan_tree_step`` (after ``GPUModelRunner._prepare_inputs``): for every request whose
+   scheduled drafts are a tree the proposer made, overwrite the RoPE positions of its rows
+   with ``root + depth``. The KV slots were already computed from sequential positions, so
+   node n keeps its own slot ``root + n``.
+2. ``tree_attention_rows`` (after the CPU attention kernel of each target layer): recompute
+   the rows of tree requests with the ancestor mask (prefix + ancestors + self) through
+   ``kernels.tree_attention``; the native kernel knows only causal masks.
+3. ``TreeRejectionSampler`` (replaces ``runner.rejection_sampler``): greedy rows take the
+   longest path matching the target's argmax; sampled rows use lossless multi-candidate
+   rejection sampling (``tree.sample_accept``). The accepted path is then handed to vLLM's
+   own rejection sampler as a *chain* (logits rows reordered), so its output layout,
+   logprobs, roll-back and metrics stay vLLM's.
+4. ``compact_accepted_kv`` (in the sampler): the target KV of the accepted nodes moves to
+   slots ``root + 1 .. root + a`` (``kernels.kv_compact``), so the cache is contiguous again
+   before the scheduler's next step.
+5. ``trunk_view`` (in the proposer): Clover's trunk runs over the accepted rows only, as a
+   chain at positions ``root .. root + a`` and the contiguous slots, so its Augmenting-Block
+   KV never needs compaction.
+
+Requests that need what this path cannot give (logprobs, penalties, bad words, allowed
+tokens, min_tokens, structured output) draft the tree's top-1 spine as a chain
+(:func:`chain_only_reason`); a step without tree requests is plain vLLM. Docs:
+docs/tree-verification.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_clover.tree import (StaticTree, TreeBuffers, buffers_from_parents, get_tree, greedy_accept,
+                              sample_accept)
+
+Tensor = torch.Tensor
+# vLLM's SamplingMetadata.temperature value for greedy requests (gpu_input_batch.py).
+GREEDY_TEMPERATURE = 0.0
+# CPU attention ISAs whose KV layout cpu_cache_views() reads (checked by check_cpu_kv_layout).
+CPU_TREE_ISAS = ("vec", "vec16")
+
+
+# ============================================================================ step plan
+@dataclass
+class TreeRequest:
+    """One request verified as a tree in this step (n scheduled drafts = nodes 1..n)."""
+
+    index: int          # row in the persistent batch
+    start: int          # its first scheduled row (the root token)
+    root: int           # root position = num_computed_tokens
+    buffers: TreeBuffers  # batch of one, truncated to the n+1 scheduled nodes
+    slots: Tensor       # [n+1] long: KV slots of rows start..start+n (positions root..root+n)
+    # Set by the sampler: accepted node indices, root (0) first.
+    path: list[int] | None = None
+
+
+@dataclass
+class TreeStep:
+    """The tree requests of one engine step; module-level while the target runs."""
+
+    num_tokens: int
+    requests: list[TreeRequest]
+    by_index: dict[int, TreeRequest] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.by_index = {r.index: r for r in self.requests}
+
+
+_ACTIVE: TreeStep | None = None
+
+
+def active_step() -> TreeStep | None:
+    return _ACTIVE
+
+
+def set_active_step(step: TreeStep | None) -> None:
+    global _ACTIVE
+    _ACTIVE = step
+
+
+def plan_tree_step(runner: Any, scheduler_output: Any) -> TreeStep | None:
+    """Find this step's tree requests and give their rows RoPE positions ``root + depth``.
+
+    A request counts as a tree when the drafts the scheduler sent back are a prefix of the
+    tokens the proposer drafted as a tree (``drafter.tree_drafts[req_id]``) and that prefix
+    is not a plain chain; anything else (truncated by grammar, stale, chain) is verified by
+    vLLM as a chain, which is exact for any draft sequence. Call after ``_prepare_inputs``.
+    """
+    table = getattr(getattr(runner, "drafter", None), "tree_drafts", None)
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if not table or not spec:
+        return None
+    batch = runner.input_batch
+    qsl = runner.query_start_loc.np
+    slot_mapping = batch.block_table[0].slot_mapping.gpu
+    requests = []
+    for req_id, drafts in spec.items():
+        entry = table.get(req_id)
+        n = len(drafts)
+        if entry is None or n == 0 or list(drafts) != entry[0][:n]:
+            continue
+        parent = entry[1][: n + 1]
+        if bool((parent[1:] == torch.arange(n)).all()):
+            continue  # the scheduled prefix is a chain: vLLM verifies it as is
+        i = batch.req_id_to_index[req_id]
+        start = int(qsl[i])
+        root = int(batch.num_computed_tokens_cpu[i])
+        buffers = buffers_from_parents(parent[None])
+        runner.positions[start:start + n + 1] = root + buffers.depth[0].to(runner.positions.device)
+        slots = slot_mapping[start:start + n + 1].to(torch.long).cpu().clone()
+        requests.append(TreeRequest(index=i, start=start, root=root, buffers=buffers, slots=slots))
+    if not requests:
+        return None
+    return TreeStep(num_tokens=scheduler_output.total_num_scheduled_tokens, requests=requests)
+
+
+# ============================================================================ attention
+def cpu_cache_views(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
+    """vLLM's CPU KV cache of one layer -> (key, value) views [num_blocks, block_size, Hkv, D].
+
+    ``kv_cache`` is [num_blocks, Hkv, block_size, 2*D]; CPU_ATTN splits each (block, head)
+    into a key half and a value half (``cpu_attn.py``: view [.., 2*block_size, D], chunk).
+    With the ``vec``/``vec16`` ISAs the key half is stored transposed, [D, block_size], and
+    the value half as [block_size, D] (verified against ``cpu_attn_reshape_and_cache``,
+    :func:`check_cpu_kv_layout`); AMX (bf16) packs keys differently and is refused.
+    """
+    nb, hkv, bs, _ = kv_cache.shape
+    halves = kv_cache.view(nb, hkv, 2, bs * head_size)
+    key = halves[:, :, 0].view(nb, hkv, head_size, bs).permute(0, 3, 1, 2)
+    value = halves[:, :, 1].view(nb, hkv, bs, head_size).permute(0, 2, 1, 3)
+    return key, value
+
+
+def check_cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> None:
+    """Write known K/V with vLLM's own ``cpu_attn_reshape_and_cache`` and read them back
+    through :func:`cpu_cache_views`; raise NotImplementedError naming the ISA on mismatch."""
+    from vllm import _custom_ops as ops
+
+    why = (f"tree verification on CPU reads the KV cache directly and supports the "
+           f"{CPU_TREE_ISAS} attention kernels; this engine uses {isa!r} ({dtype}, head size "
+           f"{head_size}). Use dtype float32, or chain drafting (leave out the tree option)")
+    if isa not in CPU_TREE_ISAS:
+        raise NotImplementedError(why)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.zeros(2, 2, block_size, 2 * head_size, dtype=dtype)
+    key_half, value_half = kv.view(2, 2, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.tensor([0, 1, block_size + 3, 2 * block_size - 1])
+    k = torch.randn(len(slots), 2, head_size, generator=gen).to(dtype)
+    v = torch.randn(len(slots), 2, head_size, generator=gen).to(dtype)
+    ops.cpu_attn_reshape_and_cache(k, v, key_half, value_half, slots, isa, k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    kc, vc = cpu_cache_views(kv, head_size)
+    blk, off = slots // block_size, slots % block_size
+    if not (torch.equal(kc[blk, off], k) and torch.equal(vc[blk, off], v)):
+        raise NotImplementedError(why + " (KV layout check failed)")
+
+
+def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadata: Any,
+                        output: Tensor, step: TreeStep) -> None:
+    """Overwrite the attention output of every tree request's rows with tree-masked
+    attention: row i sees the paged prefix ``0 .. root-1`` and the tree rows of its
+    ancestors and itself (their K/V were just written at slots ``root + n``).
+
+    query [T, Hq, D]; output [T, Hq*D] or [T, Hq, D] (written in place).
+    """
+    from kernels import tree_attention
+
+    d = impl.head_size
+    key_cache, value_cache = cpu_cache_views(kv_cache, d)
+    out = output.view(output.shape[0], impl.num_heads, d)
+    for r in step.requests:
+        n1 = r.buffers.width
+        rows = slice(r.start, r.start + n1)
+        q = query[rows].view(1, n1, impl.num_heads, d)
+        o = tree_attention(q, key_cache, value_cache, attn_metadata.block_table[r.index:r.index + 1],
+                           torch.tensor([r.root], dtype=torch.int32), r.buffers.ancestor_mask,
+                           scale=impl.scale)
+        out[rows] = o[0].to(out.dtype)
+
+
+# ============================================================================ acceptance
+def chain_only_reason(sampling_params: Any) -> str | None:
+    """Why a request must draft a chain instead of a tree (None: a tree is fine).
+
+    vLLM applies these per draft *position*, assuming draft j's context is drafts < j
+    (``rejection_sampler.py`` ``apply_logits_processors``, the scheduler's grammar check),
+    which a BFS-flattened tree is not."""
+    sp = sampling_params
+    if sp is None:
+        return None
+    if sp.logprobs is not None:
+        return "logprobs"
+    if sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1.0:
+        return "penalties"
+    if getattr(sp, "bad_words", None) or getattr(sp, "_bad_words_token_ids", None):
+        return "bad_words"
+    if sp.allowed_token_ids:
+        return "allowed_token_ids"
+    if sp.min_tokens:
+        return "min_tokens"
+    if getattr(sp, "structured_outputs", None) is not None:
+        return "structured output"
+    return None
+
+
+def chain_metadata(num_draft: list[int], draft_ids: list[int], device: torch.device) -> Any:
+    """vLLM ``SpecDecodeMetadata`` for chains laid out request after request: request i owns
+    ``num_draft[i] + 1`` consecutive logits rows (draft rows, then its bonus row)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    n = np.asarray(num_draft, dtype=np.int32)
+    cu_sampled = np.cumsum(n + 1, dtype=np.int32)
+    starts = cu_sampled - (n + 1)
+    target = np.concatenate([s + np.arange(k, dtype=np.int32) for s, k in zip(starts, n)]) \
+        if len(n) else np.zeros(0, np.int32)
+
+    def t(a: Any) -> Tensor:
+        return torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)
+
+    return SpecDecodeMetadata(
+        draft_token_ids=t(draft_ids), num_draft_tokens=[int(k) for k in n],
+        cu_num_draft_tokens=t(np.cumsum(n, dtype=np.int32)), cu_num_sampled_tokens=t(cu_sampled),
+        target_logits_indices=t(target), bonus_logits_indices=t(starts + n),
+        logits_indices=t(np.arange(int(cu_sampled[-1]) if len(n) else 0)))
+
+
+class TreeRejectionSampler(torch.nn.Module):
+    """Replaces ``runner.rejection_sampler`` for Clover tree engines.
+
+    Steps without tree requests go straight to vLLM's sampler. Otherwise each tree request
+    picks its accepted path here (greedy: :func:`tree.greedy_accept`; temperature > 0:
+    :func:`tree.sample_accept`, one-hot rule, lossless for top-k candidates), its target KV
+    is compacted, and vLLM's sampler then runs on every request with tree requests reduced
+    to their accepted path as a chain: for greedy rows it reproduces the same tokens, for
+    sampled rows our tokens overwrite its row. Output layout, logprobs of the other
+    requests, penalties, roll-back and metrics therefore stay vLLM's.
+    """
+
+    def __init__(self, inner: torch.nn.Module, kv_layers: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self._kv_layers = kv_layers  # () -> list of (kv_cache, head_size) of target layers
+
+    def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
+                sampling_metadata: Any) -> Any:
+        step = active_step()
+        if step is None:
+            return self.inner(metadata, draft_probs, logits, sampling_metadata)
+        num_draft = list(metadata.num_draft_tokens)
+        row0 = np.concatenate([[0], np.cumsum(np.asarray(num_draft) + 1)])
+        draft0 = np.concatenate([[0], np.cumsum(num_draft)])
+        drafts = metadata.draft_token_ids.cpu().long()
+        probs = None
+        sampled_rows: dict[int, Tensor] = {}
+        for r in step.requests:
+            i = r.index
+            n1 = r.buffers.width
+            if num_draft[i] + 1 != n1:
+                raise RuntimeError(f"vllm-clover: tree request row {i} has {num_draft[i]} drafts "
+                                   f"scheduled but {n1 - 1} planned")
+            tokens = torch.zeros(1, n1, dtype=torch.long)
+            tokens[0, 1:] = drafts[draft0[i]:draft0[i] + n1 - 1]
+            rows = torch.arange(int(row0[i]), int(row0[i]) + n1, device=logits.device)
+            if _is_greedy(sampling_metadata, i):
+                result = greedy_accept(tokens, logits[rows].argmax(-1).cpu()[None], r.buffers)
+            else:
+                if probs is None:
+                    probs = _target_probs(logits, metadata, sampling_metadata)
+                gen = sampling_metadata.generators.get(i)
+                result = sample_accept(tokens.to(logits.device), probs[rows][None],
+                                       _to(r.buffers, logits.device), generator=gen)
+                sampled_rows[i] = result.output_tokens[0]
+            a = int(result.num_accepted[0])
+            r.path = result.accepted_nodes[0, : a + 1].tolist()
+        self.compact(step)
+        order, chain_num, chain_ids = [], [], []
+        for i, n in enumerate(num_draft):
+            r = step.by_index.get(i)
+            nodes = r.path if r is not None else list(range(n + 1))
+            order.extend(int(row0[i]) + k for k in nodes)
+            chain_num.append(len(nodes) - 1)
+            chain_ids.extend(int(drafts[draft0[i] + k - 1]) for k in nodes[1:])
+        chained = chain_metadata(chain_num, chain_ids, logits.device)
+        sm = sampling_metadata
+        if sm.spec_token_ids is not None:
+            sm = dataclasses.replace(sm, spec_token_ids=_chain_spec_ids(sm.spec_token_ids, step))
+        out = self.inner(chained, None, logits[torch.as_tensor(order, device=logits.device)], sm)
+        for i, row in sampled_rows.items():
+            w = min(row.numel(), out.sampled_token_ids.shape[1])
+            out.sampled_token_ids[i].fill_(-1)
+            out.sampled_token_ids[i, :w] = row[:w].to(out.sampled_token_ids.dtype)
+        return out
+
+    def compact(self, step: TreeStep) -> None:
+        """Move the target KV of each accepted node n_j (slot of root + n_j) to the slot of
+        root + j, for every target layer (Clover's trunk writes its own KV contiguously)."""
+        moves = [(r.slots[r.path[j]], r.slots[j]) for r in step.requests
+                 for j in range(1, len(r.path)) if r.path[j] != j]
+        if not moves:
+            return
+        from kernels import kv_compact
+
+        src = torch.stack([m[0] for m in moves])[None]
+        dst = torch.stack([m[1] for m in moves])[None]
+        caches = []
+        for kv_cache, head_size in self._kv_layers():
+            caches.extend(cpu_cache_views(kv_cache, head_size))
+        kv_compact(caches, src.to(caches[0].device), dst.to(caches[0].device))
+
+
+def _is_greedy(sampling_metadata: Any, i: int) -> bool:
+    return bool(sampling_metadata.all_greedy) or float(sampling_metadata.temperature[i]) == GREEDY_TEMPERATURE
+
+
+def _target_probs(logits: Tensor, metadata: Any, sampling_metadata: Any) -> Tensor:
+    """Temperature / top-k / top-p processed target distribution of every logits row, with
+    vLLM's own ``apply_sampling_constraints`` (rows grouped per request by cu_num_sampled)."""
+    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+    processed = apply_sampling_constraints(logits.to(torch.float32).clone(), metadata.cu_num_sampled_tokens,
+                                           sampling_metadata)
+    return torch.softmax(processed, dim=-1)
+
+
+def _to(buffers: TreeBuffers, device: torch.device) -> TreeBuffers:
+    return TreeBuffers(**{f.name: getattr(buffers, f.name).to(device) for f in dataclasses.fields(buffers)})
+
+
+def _chain_spec_ids(spec_token_ids: list[list[int]], step: TreeStep) -> list[list[int]]:
+    """``SamplingMetadata.spec_token_ids`` (used for penalties / bad words) with each tree
+    request's drafts replaced by its accepted path, matching the chained metadata."""
+    out = []
+    for i, ids in enumerate(spec_token_ids):
+        r = step.by_index.get(i)
+        out.append(ids if r is None else [ids[k - 1] for k in r.path[1:]])
+    return out
+
+
+# ============================================================================ drafter side
+def trunk_view(step: TreeStep | None, query_start_loc: np.ndarray, num_reqs: int,
+               slot_mapping: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Rows for Clover's trunk after a tree step: every scheduled row of non-tree requests,
+    and only the accepted path of each tree request (root first), laid out as a chain.
+
+    Returns (rows [M] long: indices into this step's scheduled rows, query_start_loc [B+1]
+    int32 of the view, slots [M] long: the KV slots the trunk writes), or None when the
+    step had no tree request (the trunk then runs on the step as scheduled).
+    """
+    if step is None or not step.requests:
+        return None
+    rows: list[Tensor] = []
+    slots: list[Tensor] = []
+    counts = []
+    slot_mapping = slot_mapping.cpu().long()
+    for i in range(num_reqs):
+        s, e = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        r = step.by_index.get(i)
+        if r is None:
+            rows.append(torch.arange(s, e))
+            slots.append(slot_mapping[s:e])
+        else:
+            path = torch.as_tensor(r.path, dtype=torch.long)
+            rows.append(s + path)
+            slots.append(r.slots[: len(r.path)])  # the contiguous slots root .. root + a
+        counts.append(len(rows[-1]))
+    qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return torch.cat(rows), qsl, torch.cat(slots)
+
+
+def select_tree(tree: StaticTree, batch_size: int, token_budget: int, max_nodes: int) -> StaticTree:
+    """The tree for this step: the configured one while ``B * (N + 1) <= token_budget`` and
+    it fits the scheduler's draft allowance, else the longest chain that fits (at least 1).
+
+    Why: verifying costs B * (N + 1) target tokens; a 2-core CPU is compute-bound after a
+    few dozen tokens (measured: docs/tree-verification.md), so large batches get chains."""
+    if tree.num_nodes <= max_nodes and batch_size * (tree.num_nodes + 1) <= token_budget:
+        return tree
+    k = max(1, min(tree.max_depth, max_nodes, token_budget // batch_size - 1))
+    return get_tree(f"chain{k}")
+
+
+def spine(tree: StaticTree) -> list[int]:
+    """Node indices of the top-1 path (ranks all 0), depth 1 first: a request that must
+    draft a chain gets these tokens of the tree."""
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    return [index[(0,) * d] for d in range(1, tree.max_depth + 1)]
