@@ -96,7 +96,10 @@ def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
     if spec.name == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2, **dict(spec.options)}
-    return {"method": spec.name, "model": spec.path, "num_speculative_tokens": k, **dict(spec.options)}
+    config = {"method": spec.name, "model": spec.path, "num_speculative_tokens": k, **dict(spec.options)}
+    if spec.name == "clover" and "tree" in config and spec.k is None:
+        del config["num_speculative_tokens"]  # a tree's node count is its K
+    return config
 
 
 def load_prompts(source: str, num_prompts: int) -> tuple[list[dict], str]:

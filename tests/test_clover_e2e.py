@@ -11,8 +11,11 @@
   vLLM (two-sample chi-square), with drafts both accepted and rejected.
 * Observability: spec-decode counters (LLM.get_metrics) and per-request metrics.
 
-One plain and one Clover LLM per module (started one after the other). The Clover LLM
-runs a *sensitized* drafter (tests/conftest.py::sensitize_drafter) whose drafts depend
+One plain LLM per module, then one Clover LLM per mode (started one after the other):
+``chain`` (K = 3 drafts in a row) and ``tree`` (batched tree verification, a 9-node tree
+of depth 4: tree-masked attention rows, tree acceptance, KV compaction, the trunk over
+accepted paths; vllm_clover/tree_verify.py). Every test runs for both modes. The Clover
+LLM runs a *sensitized* drafter (tests/conftest.py::sensitize_drafter) whose drafts depend
 strongly on all of its inputs.
 """
 
@@ -37,6 +40,10 @@ LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 <
 CLOVER_KWARGS = dict(worker_extension_cls="vllm_clover.runner_hooks.CloverWorkerExtension",
                      per_request_spec_decode_metrics="summary")
 K = 3
+# Tree mode: 9 nodes (3 / 3 / 2 / 1 per depth); the budget keeps the tree at 16 requests.
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+MODES = {"chain": {"num_speculative_tokens": K}, "tree": {"tree": TREE, "tree_token_budget": 512}}
+NUM_SPEC = {"chain": K, "tree": len(TREE)}
 # Sampling test prompt: the sensitized drafter's heads are fitted to its continuations
 # (tests/conftest.py::fit_heads_to_prompt), so drafts are both accepted and rejected.
 SAMPLE_PROMPT = FIT_PROMPT
@@ -86,6 +93,24 @@ def _logprobs(entries) -> list[dict[int, tuple[float, int]]] | None:
     if entries is None:
         return None
     return [None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in entries]
+
+
+def _run_mixed(llm) -> list:
+    """One greedy batch mixing plain requests with ones a tree cannot verify (logprobs,
+    penalties, bad words, min_tokens, a structured-output choice): in tree mode those
+    draft chains next to tree requests in the same steps."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    greedy = dict(temperature=0.0, max_tokens=32)
+    params = [SamplingParams(**greedy), SamplingParams(**greedy, logprobs=2),
+              SamplingParams(**greedy, repetition_penalty=1.3), SamplingParams(**greedy, bad_words=[" the"]),
+              SamplingParams(temperature=0.0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+              SamplingParams(**greedy, min_tokens=24, ignore_eos=False), SamplingParams(**greedy)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, _logprobs(o.outputs[0].logprobs)) for o in outs]
 
 
 def _run_suite(llm, tokenizer, clover: bool) -> dict:
@@ -144,6 +169,7 @@ def _run_suite(llm, tokenizer, clover: bool) -> dict:
                                                      seed=11, logprobs=1), use_tqdm=False)
     res["n3"] = [[(len(c.token_ids), c.finish_reason, len(c.logprobs or []), c.index) for c in o.outputs]
                  for o in multi]
+    res["mixed"] = _run_mixed(llm)
     sampled = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7),
                            use_tqdm=False)
     res["sampled"] = [len(o.outputs[0].token_ids) for o in sampled]
@@ -171,25 +197,33 @@ def _run_suite(llm, tokenizer, clover: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(default_model_dir: Path, sensitive_ckpt_dir: Path) -> dict:
+def plain_results(default_model_dir: Path) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     plain = LLM(model=str(default_model_dir), **LLM_KWARGS)
     try:
-        ref = _run_suite(plain, tokenizer, clover=False)
+        return _run_suite(plain, tokenizer, clover=False)
     finally:
         shutdown_llm(plain)
         del plain
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def results(request, default_model_dir: Path, sensitive_ckpt_dir: Path, plain_results: dict) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
     clover = LLM(model=str(default_model_dir), speculative_config={
-        "method": "clover", "model": str(sensitive_ckpt_dir), "num_speculative_tokens": K},
+        "method": "clover", "model": str(sensitive_ckpt_dir), **MODES[request.param]},
         **CLOVER_KWARGS, **LLM_KWARGS)
     try:
         got = _run_suite(clover, tokenizer, clover=True)
     finally:
         shutdown_llm(clover)
-    return {"ref": ref, "clover": got}
+    return {"ref": plain_results, "clover": got, "mode": request.param, "num_spec": NUM_SPEC[request.param]}
 
 
 # ============================================================================ lossless
@@ -222,6 +256,23 @@ def test_logprobs_and_prompt_logprobs_match_plain_vllm(results: dict) -> None:
             for tok, (value, rank) in ref.items():
                 assert got[tok][1] == rank
                 assert math.isclose(got[tok][0], value, rel_tol=1e-4, abs_tol=2e-4), (tok, got, ref)
+
+
+def test_mixed_batch_with_chain_only_requests(results: dict) -> None:
+    """Logprobs, penalties, bad words, a structured-output choice and min_tokens next to
+    plain greedy requests in one batch: the same tokens as plain vLLM, and the same
+    logprobs (ranks exactly, values to float32 noise)."""
+    for (t_ref, why_ref, lp_ref), (t_got, why_got, lp_got) in zip(results["ref"]["mixed"],
+                                                                   results["clover"]["mixed"]):
+        assert (t_got, why_got) == (t_ref, why_ref)
+        if lp_ref is not None:
+            for got, ref in zip(lp_got, lp_ref):
+                assert {t: r for t, (_, r) in got.items()} == {t: r for t, (_, r) in ref.items()}
+                for tok, (value, _) in ref.items():
+                    assert math.isclose(got[tok][0], value, rel_tol=1e-4, abs_tol=2e-4)
+    choice = results["ref"]["mixed"][4]
+    assert choice[1] == "stop" and len(choice[0]) <= 3
+    assert len(results["ref"]["mixed"][5][0]) >= 24
 
 
 def test_n_greater_than_one(results: dict) -> None:
@@ -473,8 +524,10 @@ def test_sampling_distribution_matches_plain_vllm(results: dict, default_model_d
     metrics = results["clover"]["sample_metrics"]
     accepted, drafted = metrics["vllm:spec_decode_num_accepted_tokens"], metrics[
         "vllm:spec_decode_num_draft_tokens"]
-    # Both branches of rejection sampling ran: drafts accepted, drafts rejected.
-    assert 0.1 * drafted < accepted < 0.9 * drafted, metrics
+    # Both branches of rejection sampling ran: drafts accepted, drafts rejected. A tree
+    # offers 9 nodes per step of which at most 4 (its depth) can be accepted.
+    steps = metrics["vllm:spec_decode_num_drafts"]
+    assert 0.1 * (drafted if results["mode"] == "chain" else steps) < accepted < 0.9 * drafted, metrics
 
     prefixes = {tuple(s[:j]) for s in ref + got for j in range(3)}
     conditionals = target_conditionals(default_model_dir, SAMPLE_PROMPT, prefixes, 0.8, 0.95)
@@ -494,6 +547,7 @@ def test_sampling_distribution_matches_plain_vllm(results: dict, default_model_d
 # ============================================================================ metrics
 def test_spec_decode_counters_consistent(results: dict) -> None:
     m = results["clover"]["metrics"]
+    K = results["num_spec"]  # noqa: N806 (drafts per step: chain length or tree nodes)
     drafts = m["vllm:spec_decode_num_drafts"]
     draft_tokens = m["vllm:spec_decode_num_draft_tokens"]
     accepted = m["vllm:spec_decode_num_accepted_tokens"]
@@ -501,8 +555,12 @@ def test_spec_decode_counters_consistent(results: dict) -> None:
     assert drafts > 0 and drafts <= draft_tokens <= K * drafts
     assert 0 < accepted <= draft_tokens
     assert len(per_pos) == K and sum(per_pos) == accepted
-    # Chain acceptance: position i+1 is only accepted after position i.
+    # Position i+1 (depth i+2 in a tree) is only accepted after position i.
     assert all(per_pos[i] >= per_pos[i + 1] for i in range(K - 1)), per_pos
+    if results["mode"] == "tree":
+        # Trees were verified: more drafts per step than the 4-token spine, nothing accepted
+        # beyond depth 4, and the target took a non-top-1 branch sometimes.
+        assert draft_tokens > 6 * drafts and not any(per_pos[4:]), (draft_tokens, drafts, per_pos)
     assert not results["ref"]["metrics"].get("vllm:spec_decode_num_drafts")
 
 
@@ -511,6 +569,7 @@ def test_per_request_spec_decode_metrics(results: dict) -> None:
     carries its acceptance summary, and they add up to the engine counters."""
     per_req = results["clover"]["sample_request_metrics"]
     engine = results["clover"]["sample_metrics"]
+    K = results["num_spec"]  # noqa: N806
     assert all(r is not None for r in per_req)
     for r in per_req:
         assert r["num_spec_tokens"] == K and len(r["acceptance_histogram"]) == K + 1

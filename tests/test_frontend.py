@@ -347,3 +347,29 @@ def test_bad_disable_by_batch_size_is_one_line(default_model_dir, clover_ckpt_di
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
                                            "disable_by_batch_size": value})
     _one_line_error(excinfo, "disable_by_batch_size must be an integer >= 1")
+
+
+# ============================================================================ tree option
+def test_tree_option_sets_k_to_the_node_count(default_model_dir, clover_ckpt_dir) -> None:
+    """With ``tree``, vLLM's num_speculative_tokens is the node count (drafts are the BFS
+    nodes); the drafter still loads every checkpoint head (one per depth)."""
+    tree = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    _, config = _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                                   "tree": tree, "tree_token_budget": 40})
+    assert config.speculative_config.num_speculative_tokens == 5
+    opts = config.additional_config["clover"]
+    assert opts["tree"] == tree and opts["tree_depth"] == 3 and opts["tree_token_budget"] == 40
+    assert opts["checkpoint_num_heads"] >= 3
+
+
+@pytest.mark.parametrize("extra,needles", [
+    ({"tree": "no_such_tree"}, ("unknown tree 'no_such_tree'",)),
+    ({"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]}, ("6 deep", "heads")),
+    ({"tree": [[1]]}, ("tree",)),
+    ({"tree": "small_10", "num_speculative_tokens": 3}, ("node count (10)", "leave it out")),
+    ({"tree": "small_10", "tree_token_budget": 0}, ("tree_token_budget",)),
+])
+def test_bad_tree_options_are_one_line_errors(default_model_dir, clover_ckpt_dir, extra, needles) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir), **extra})
+    _one_line_error(excinfo, *needles)

@@ -253,19 +253,25 @@ def _check_tree_prepare_inputs() -> None:
 def _install_tree_cpu_attention() -> None:
     from vllm_clover import runner_hooks
 
-    runner_hooks.install_cpu_attention()
+    runner_hooks.install_tree_attention()
 
 
-def _check_tree_cpu_attention() -> None:
+def _check_tree_attention() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    assert _params(CPUAttentionBackendImpl.forward)[:8] == [
-        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
-    # K/V are written before forward (do_kv_cache_update), and the layout our views read.
+    for impl in (CPUAttentionBackendImpl, FlashAttentionImpl):
+        assert _params(impl.forward)[:8] == [
+            "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+        assert {"num_heads", "head_size", "scale"} <= set(_source(impl.__init__).replace("self.", " ").split())
+    # K/V are written before forward (do_kv_cache_update), and the layouts our views read.
     assert CPUAttentionBackend.forward_includes_kv_cache_update is False
     src = _source(CPUAttentionBackendImpl.forward)
     assert "kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in src
     assert "kv_cache.chunk(2, dim=2)" in src
+    fa = _source(FlashAttentionImpl.forward)
+    assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in fa
+    assert "block_table = attn_metadata.block_table" in fa
 
 
 def _install_cpu_expand_fix() -> None:
@@ -482,17 +488,18 @@ CATALOGUE: list[Patch] = [
         check=_check_tree_prepare_inputs,
     ),
     Patch(
-        name="cpu-attention-tree-rows",
-        target="vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+        name="attention-tree-rows",
+        target=("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward and "
+                "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward"),
         why=(
-            "vLLM's CPU attention kernel knows only causal masks. While a tree plan is active "
+            "vLLM's CPU and FlashAttention kernels know only causal masks. While a tree plan is active "
             "(target forward of a tree step, never Clover's trunk), the rows of tree requests "
             "are recomputed with their ancestor mask over the paged KV (kernels.tree_attention)."
             " A no-op in every engine without a tree plan."
         ),
         remove_when="vLLM's CPU attention takes arbitrary masks, or vLLM verifies trees itself",
         apply=_install_tree_cpu_attention,
-        check=_check_tree_cpu_attention,
+        check=_check_tree_attention,
     ),
     Patch(
         name="runner-cpu-seeded-partial-prefill",

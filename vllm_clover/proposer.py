@@ -155,6 +155,16 @@ class CloverProposer(MedusaProposer):
             block_size = self.vllm_config.cache_config.block_size
             isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), self.vllm_config.cache_config.cache_dtype)
             check_cpu_kv_layout(isa, mc.dtype, mc.get_head_size(), block_size)
+        if self.tree is not None:
+            _check_tree_attention_backends(target_model)
+        if self.tree is not None and torch.device(self.device).type == "cuda":
+            mode = self.vllm_config.compilation_config.cudagraph_mode
+            if mode is not None and mode.has_full_cudagraphs():
+                # The tree hooks are Python around the attention call; a replayed full graph
+                # would skip them and verify the tree as a chain of garbage positions.
+                raise NotImplementedError(
+                    "vllm-clover: tree verification on GPU needs --enforce-eager (or a "
+                    f"cudagraph_mode without full graphs), got {mode.name}")
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -210,7 +220,7 @@ class CloverProposer(MedusaProposer):
         tree = None if self.tree is None else select_tree(
             self.tree, b, self.options["tree_token_budget"], k)
         if tree is not None and tree.num_nodes > tree.max_depth:
-            return self._draft_tree(runner, z_last, first, tree), None
+            return self._draft_tree(runner, z_last, first, tree, positions.cpu()[last]), None
         self.tree_drafts = {}
         if tree is not None:
             k = tree.num_nodes  # a chain that fits the batch's token budget
@@ -219,11 +229,13 @@ class CloverProposer(MedusaProposer):
             self._record(batch, positions.cpu()[last], drafts.cpu())
         return drafts, probs
 
-    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, tree: StaticTree) -> list[list[int]]:
+    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, tree: StaticTree,
+                    last_positions: Tensor) -> list[list[int]]:
         """Draft ``tree`` for every request (one batched head call per depth, top-k children
         over the draft vocabulary; deterministic, so verification uses the one-hot rule).
         Requests that cannot be verified as a tree (``chain_only_reason``) get its top-1
-        spine as a chain. Returns one draft list per request; remembers the trees."""
+        spine as a chain. Returns one draft list per request; remembers the trees. The draft
+        log (``records``) gets the spine, which equals chain drafting of the same depth."""
 
         def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
             state, o = self.model.head_step(state, prev, i)
@@ -249,6 +261,8 @@ class CloverProposer(MedusaProposer):
                              req_id, reason)
                 out.append([tokens[j] for j in top1])
         self.tree_drafts = table
+        if self.records is not None:
+            self._record(runner.input_batch, last_positions, torch.tensor([[t[j] for j in top1] for t in drafted]))
         return out
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
@@ -345,6 +359,22 @@ class CloverProposer(MedusaProposer):
             state, o = self.model.head_step(state, token, i)
             token = self._draft_logits(o).argmax(dim=-1)
             token = token if self.draft_ids is None else self.draft_ids[token]
+
+
+def _check_tree_attention_backends(target_model: nn.Module) -> None:
+    """Tree rows are only right where the tree-attention hook runs (runner_hooks
+    ``install_tree_attention``): refuse any other backend at start-up, never verify wrong."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    for module in target_model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(module, Attention) and not isinstance(impl, (CPUAttentionBackendImpl, FlashAttentionImpl)):
+            raise NotImplementedError(
+                f"vllm-clover: tree verification supports the CPU and FLASH_ATTN attention backends; "
+                f"{module.layer_name} uses {type(impl).__name__} (use --attention-backend FLASH_ATTN, "
+                "or chain drafting)")
 
 
 def _chain_view_metadata(cm: Any, query_start_loc: Tensor, slots: Tensor, b: int) -> Any:

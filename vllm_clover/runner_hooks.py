@@ -129,7 +129,7 @@ def wrap_prepare_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     return _prepare_inputs
 
 
-def wrap_cpu_attention(orig: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_tree_attention(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -147,12 +147,12 @@ def wrap_cpu_attention(orig: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def target_kv_layers(vllm_config: Any) -> list[tuple[Any, int]]:
-    """(kv_cache, head_size) of every target attention layer (Clover's trunk excluded)."""
+def target_kv_layers(vllm_config: Any) -> list[tuple[Any, Any]]:
+    """(attention impl, kv_cache) of every target attention layer (Clover's trunk excluded)."""
     from vllm.model_executor.layers.attention import Attention
 
     layers = vllm_config.compilation_config.static_forward_context.values()
-    return [(m.kv_cache, m.impl.head_size) for m in layers
+    return [(m.impl, m.kv_cache) for m in layers
             if isinstance(m, Attention) and not getattr(m, "clover_trunk", False) and m.kv_cache.numel()]
 
 
@@ -242,10 +242,14 @@ def install_prepare_inputs() -> None:
     install(GPUModelRunner, "_prepare_inputs", wrap_prepare_inputs)
 
 
-def install_cpu_attention() -> None:
+def install_tree_attention() -> None:
+    """The tree-rows hook on the attention backends tree verification supports: CPU_ATTN,
+    and FlashAttention on GPU builds (same forward signature; its module imports on CPU too)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
 
-    install(CPUAttentionBackendImpl, "forward", wrap_cpu_attention)
+    install(CPUAttentionBackendImpl, "forward", wrap_tree_attention)
+    install(FlashAttentionImpl, "forward", wrap_tree_attention)
 
 
 def install_sample_tokens() -> None:

@@ -1,0 +1,341 @@
+"""Unit tests of tree verification inside vLLM (vllm_clover/tree_verify.py) with vLLM's own
+pieces but no engine: the CPU KV layout our views read, tree-masked attention over it,
+the TreeRejectionSampler around vLLM's RejectionSampler (greedy, sampling, mixed batches,
+KV compaction), the trunk's view of a tree step, tree selection and the tree option.
+End-to-end runs are in tests/test_tree_e2e.py."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_clover.tree import StaticTree, buffers_from_parents, get_tree, greedy_accept
+from vllm_clover.tree_verify import (TreeRequest, TreeStep, chain_metadata, chain_only_reason,
+                                     check_cpu_kv_layout, cpu_cache_views, select_tree, spine,
+                                     tree_attention_rows, trunk_view)
+
+TREE = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], "t7")
+
+
+# ============================================================================ KV layout
+@pytest.mark.parametrize("dtype,isa,head,block", [(torch.float32, "vec", 64, 128), (torch.bfloat16, "vec", 64, 32),
+                                                  (torch.float32, "vec16", 48, 128)])
+def test_cpu_cache_views_read_what_vllm_writes(dtype, isa, head, block) -> None:
+    check_cpu_kv_layout(isa, dtype, head, block)
+
+
+def test_unsupported_isa_is_refused_with_a_reason() -> None:
+    with pytest.raises(NotImplementedError, match="amx.*float32"):
+        check_cpu_kv_layout("amx", torch.bfloat16, 64, 128)
+
+
+def _paged_cache(k: torch.Tensor, v: torch.Tensor, block: int, blocks: list[int], nb: int = 6):
+    """Write K/V [L, Hkv, D] of one sequence into a fresh CPU cache with vLLM's op."""
+    from vllm import _custom_ops as ops
+
+    hkv, d = k.shape[1:]
+    kv = torch.zeros(nb, hkv, block, 2 * d, dtype=k.dtype)
+    kh, vh = kv.view(nb, hkv, 2 * block, d).chunk(2, dim=2)
+    pos = torch.arange(k.shape[0])
+    slots = torch.tensor(blocks)[pos // block] * block + pos % block
+    ops.cpu_attn_reshape_and_cache(k, v, kh, vh, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    return kv, slots
+
+
+@pytest.mark.parametrize("prefix", [0, 5, 31])
+def test_tree_attention_rows_equal_dense_masked_attention(prefix: int) -> None:
+    """Rows of a tree request read the paged prefix plus their ancestors: the result equals
+    dense attention over the raw K/V with that mask (prefix 31 makes the tree straddle a
+    32-slot block). Other rows of the step are left as they were."""
+    torch.manual_seed(0)
+    hq, hkv, d, block = 4, 2, 32, 32
+    n1 = TREE.num_nodes + 1
+    length = prefix + n1
+    k, v = torch.randn(length, hkv, d), torch.randn(length, hkv, d)
+    kv, slots = _paged_cache(k, v, block, [3, 1, 4])
+    other = 3  # rows of another request before the tree request
+    query = torch.randn(other + n1, hq, d)
+    output = torch.full((other + n1, hq * d), 7.0)
+    bufs = TREE.buffers(1)
+    step = TreeStep(num_tokens=other + n1, requests=[TreeRequest(
+        index=1, start=other, root=prefix, buffers=bufs, slots=slots[prefix:])])
+    meta = SimpleNamespace(block_table=torch.tensor([[0, 0, 0], [3, 1, 4]], dtype=torch.int32))
+    impl = SimpleNamespace(head_size=d, num_heads=hq, scale=1 / math.sqrt(d))
+    tree_attention_rows(impl, query, kv, meta, output, step)
+    assert torch.equal(output[:other], torch.full((other, hq * d), 7.0))
+    mask = torch.ones(n1, length, dtype=torch.bool)
+    mask[:, prefix:] = bufs.ancestor_mask[0]
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query[other:].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), attn_mask=mask)
+    torch.testing.assert_close(output[other:].view(n1, hq, d), ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+# ============================================================================ sampler
+@pytest.fixture(scope="module")
+def vllm_sampler():
+    """vLLM's RejectionSampler with the CPU kernel fallbacks a worker registers."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_clover import runner_hooks
+
+    current_platform.register_triton_kernel_overrides()
+    runner_hooks.install_cpu_expand_fix()
+    return RejectionSampler(Sampler())
+
+
+def _sampling_metadata(temps: list[float], generators: dict | None = None, logprobs: int | None = None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    b = len(temps)
+    greedy = all(t == 0 for t in temps)
+    return SamplingMetadata(
+        temperature=None if greedy else torch.tensor(temps, dtype=torch.float32),
+        all_greedy=greedy, all_random=all(t > 0 for t in temps), top_p=None, top_k=None,
+        generators=generators or {}, max_num_logprobs=logprobs, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(b), presence_penalties=torch.zeros(b),
+        repetition_penalties=torch.ones(b), output_token_ids=[[] for _ in range(b)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def _runner_metadata(drafts: list[list[int]]):
+    """SpecDecodeMetadata as vLLM's runner builds it (request i owns len(drafts[i]) + 1 rows)."""
+    ids = [t for d in drafts for t in d]
+    return chain_metadata([len(d) for d in drafts], ids, torch.device("cpu"))
+
+
+class _Cache:
+    """A one-layer CPU KV cache whose rows we can read back after compaction."""
+
+    def __init__(self, slots: int = 64, hkv: int = 2, d: int = 32, block: int = 32):
+        self.kv = torch.randn(slots // block, hkv, block, 2 * d)
+        self.d = d
+
+    def layers(self):
+        return [(SimpleNamespace(head_size=self.d), self.kv)]
+
+    def rows(self, slots: list[int]):
+        k, v = cpu_cache_views(self.kv, self.d)
+        flat_k = k.reshape(-1, *k.shape[2:]) if k.is_contiguous() else k.contiguous().view(-1, *k.shape[2:])
+        flat_v = v.contiguous().view(-1, *v.shape[2:])
+        return flat_k[slots].clone(), flat_v[slots].clone()
+
+
+def _tree_step(index: int, start: int, root: int, n1: int, tree: StaticTree = TREE) -> TreeRequest:
+    bufs = buffers_from_parents(tree.parent[None][:, :n1])
+    return TreeRequest(index=index, start=start, root=root, buffers=bufs,
+                       slots=torch.arange(root, root + n1, dtype=torch.long))
+
+
+def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
+    """Request 0 verifies TREE, request 1 a 2-token chain (vLLM's own rules), request 2 has
+    no drafts. The tree row equals greedy_accept; the chain row equals vLLM's sampler on
+    the chain alone; the accepted nodes' KV moved to the contiguous slots."""
+    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+
+    torch.manual_seed(1)
+    vocab = 50
+    n1 = TREE.num_nodes + 1
+    tree_tokens = [11, 12, 13, 21, 22, 23, 31]  # nodes 1..7
+    logits = torch.randn(n1 + 3 + 1, vocab)
+    # Target argmax: root -> 12 (node 2, rank 1), node 2 -> 23 (node 6), node 6 -> 40 (bonus).
+    logits[0, 12] = logits[2, 23] = logits[6, 40] = 30.0
+    chain_rows = slice(n1, n1 + 3)
+    logits[chain_rows.start, 5] = 30.0  # chain: first draft 5 accepted, second (9) rejected
+    cache = _Cache()
+    step = TreeStep(num_tokens=n1 + 3 + 1, requests=[_tree_step(0, 0, 10, n1)])
+    before_k, before_v = cache.rows([10 + 2, 10 + 6])
+    set_active_step(step)
+    try:
+        sampler = TreeRejectionSampler(vllm_sampler, cache.layers)
+        out = sampler(_runner_metadata([tree_tokens, [5, 9], []]), None, logits.clone(),
+                      _sampling_metadata([0.0, 0.0, 0.0]))
+    finally:
+        set_active_step(None)
+    got = out.sampled_token_ids.tolist()
+    ref = greedy_accept(torch.tensor([[0] + tree_tokens]), logits[:n1].argmax(-1)[None], TREE.buffers(1))
+    assert got[0][:3] == ref.output_tokens[0].tolist()[:3] == [12, 23, 40]
+    assert step.requests[0].path == [0, 2, 6]
+    alone = vllm_sampler(_runner_metadata([[5, 9]]), None, logits[chain_rows].clone(), _sampling_metadata([0.0]))
+    assert got[1][:2] == alone.sampled_token_ids[0].tolist()[:2] and got[1][2] == -1
+    assert got[2][0] == int(logits[-1].argmax()) and got[2][1:] == [-1, -1]
+    after_k, after_v = cache.rows([10 + 1, 10 + 2])
+    assert torch.equal(after_k, before_k) and torch.equal(after_v, before_v)
+
+
+def test_truncated_tree_prefix(vllm_sampler) -> None:
+    """The scheduler may send back only a BFS prefix of the drafts; the plan and the
+    sampler then verify that prefix (still a tree, ancestor-closed)."""
+    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+
+    n1 = 5  # nodes 0..4: root, three depth-1 children, (0, 0)
+    logits = torch.randn(n1, 20)
+    logits[0, 3] = logits[1, 7] = logits[4, 9] = 30.0
+    step = TreeStep(num_tokens=n1, requests=[_tree_step(0, 0, 4, n1)])
+    set_active_step(step)
+    try:
+        out = TreeRejectionSampler(vllm_sampler, _Cache().layers)(
+            _runner_metadata([[3, 5, 6, 7]]), None, logits, _sampling_metadata([0.0]))
+    finally:
+        set_active_step(None)
+    assert out.sampled_token_ids[0].tolist()[:3] == [3, 7, 9]
+    assert step.requests[0].path == [0, 1, 4]
+
+
+def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
+    """T = 0.7 tree requests in one batch (plus a greedy one): the first emitted token of
+    each follows softmax(logits / 0.7) at the root (TV < 0.03 over 6000 requests; sampling noise
+    alone gives about 0.011), although
+    the drafts are the target's top-3 (drafts alone would be far off)."""
+    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+
+    torch.manual_seed(2)
+    vocab, b, temp = 8, 6000, 0.7
+    small = StaticTree([(0,), (1,), (2,), (0, 0)], "t4")
+    n1 = small.num_nodes + 1
+    root_logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5])
+    rows = []
+    for _ in range(b):
+        block = torch.randn(n1, vocab)
+        block[0] = root_logits
+        rows.append(block)
+    greedy_block = torch.randn(1, vocab)
+    logits = torch.cat(rows + [greedy_block])
+    drafts = [[0, 1, 2, 3]] * b + [[]]
+    step = TreeStep(num_tokens=logits.shape[0],
+                    requests=[_tree_step(i, i * n1, 100, n1, small) for i in range(b)])
+    set_active_step(step)
+    try:
+        out = TreeRejectionSampler(vllm_sampler, _Cache(slots=256).layers)(
+            _runner_metadata(drafts), None, logits, _sampling_metadata([temp] * b + [0.0]))
+    finally:
+        set_active_step(None)
+    first = out.sampled_token_ids[:b, 0]
+    freq = torch.bincount(first, minlength=vocab).float() / b
+    target = torch.softmax(root_logits / temp, -1)
+    assert 0.5 * (freq - target).abs().sum() < 0.03, (freq, target)
+    assert out.sampled_token_ids[b, 0] == int(greedy_block.argmax())
+    # Rows are well formed: accepted path tokens then the bonus, -1 after.
+    for i in range(0, b, 97):
+        row = out.sampled_token_ids[i].tolist()
+        path = step.requests[i].path
+        assert row[: len(path) - 1] == [drafts[i][k - 1] for k in path[1:]]
+        assert all(t == -1 for t in row[len(path):])
+
+
+def test_logprobs_of_a_chain_request_next_to_a_tree(vllm_sampler) -> None:
+    """A logprobs request (always a chain) in a tree step gets the logprobs vLLM's sampler
+    computes for it alone."""
+    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+
+    torch.manual_seed(3)
+    n1 = TREE.num_nodes + 1
+    logits = torch.randn(n1 + 3, 30)
+    logits[n1, 4] = 30.0
+    step = TreeStep(num_tokens=n1 + 3, requests=[_tree_step(0, 0, 0, n1)])
+    set_active_step(step)
+    try:
+        out = TreeRejectionSampler(vllm_sampler, _Cache().layers)(
+            _runner_metadata([list(range(1, n1)), [4, 5]]), None, logits.clone(),
+            _sampling_metadata([0.0, 0.0], logprobs=2))
+    finally:
+        set_active_step(None)
+    alone = vllm_sampler(_runner_metadata([[4, 5]]), None, logits[n1:].clone(), _sampling_metadata([0.0], logprobs=2))
+    got = out.logprobs_tensors
+    a = alone.logprobs_tensors
+    accepted_tree = len(step.requests[0].path)
+    width = out.sampled_token_ids.shape[1]
+    sel = slice(width, width + a.logprobs.shape[0])  # the chain request's rows
+    assert torch.equal(got.logprob_token_ids[sel][:2], a.logprob_token_ids[:2])
+    torch.testing.assert_close(got.logprobs[sel][:2], a.logprobs[:2])
+    assert accepted_tree >= 1
+
+
+# ============================================================================ trunk, trees, options
+def test_trunk_view_keeps_accepted_paths_only() -> None:
+    """Request 0 (a prefill chunk of 4 rows) keeps its rows; request 1 (a tree with path
+    0 -> 2 -> 6) keeps rows 4, 6, 10 with the contiguous slots of positions root..root+2."""
+    r = _tree_step(1, 4, 50, TREE.num_nodes + 1)
+    r.path = [0, 2, 6]
+    step = TreeStep(num_tokens=12, requests=[r])
+    qsl = np.array([0, 4, 12])
+    slots = torch.arange(100, 112)
+    rows, view_qsl, view_slots = trunk_view(step, qsl, 2, slots)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 6, 10]
+    assert view_qsl.tolist() == [0, 4, 7]
+    assert view_slots.tolist() == [100, 101, 102, 103, 50, 51, 52]
+    assert trunk_view(None, qsl, 2, slots) is None
+
+
+def test_chain_view_metadata() -> None:
+    from vllm_clover.proposer import _chain_view_metadata
+
+    """vLLM's CommonAttentionMetadata cut to a trunk view: request 0 keeps its 4 rows
+    (sequence length 20), request 1 (scheduled 8 rows, sequence 58) keeps 3: length 53."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_clover.proposer import _chain_view_metadata
+
+    cm = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 4, 12], dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor([0, 4, 12], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 58], dtype=torch.int32), num_reqs=2, num_actual_tokens=12,
+        max_query_len=8, max_seq_len=58, block_table_tensor=torch.zeros(2, 4, dtype=torch.int32),
+        slot_mapping=torch.zeros(12, dtype=torch.long))
+    new = _chain_view_metadata(cm, torch.tensor([0, 4, 7], dtype=torch.int32), torch.arange(7), 2)
+    assert new.seq_lens.tolist() == [20, 53] and new.num_actual_tokens == 7
+    assert new.max_query_len == 4 and new.max_seq_len == 53
+    assert new.query_start_loc.tolist() == [0, 4, 7] and new.slot_mapping.tolist() == list(range(7))
+
+
+def test_select_tree_shrinks_with_the_batch() -> None:
+    tree = get_tree("mc_sim_7b_63")
+    assert select_tree(tree, 1, 96, 25) is tree
+    assert select_tree(tree, 3, 96, 25) is tree
+    assert select_tree(tree, 4, 96, 25).name == "chain5"
+    assert select_tree(tree, 32, 96, 25).name == "chain2"
+    assert select_tree(tree, 200, 96, 25).name == "chain1"
+    assert select_tree(tree, 1, 96, 10).name == "chain5"  # the scheduler allows 10 drafts
+
+
+def test_spine_is_the_top1_path() -> None:
+    assert spine(TREE) == [1, 4, 7]
+    tree = get_tree("mc_sim_7b_63")
+    assert [tree.paths[n - 1] for n in spine(tree)] == [(0,) * d for d in range(1, 6)]
+
+
+def test_chain_only_reasons() -> None:
+    from vllm import SamplingParams
+
+    assert chain_only_reason(SamplingParams(temperature=0.0)) is None
+    assert chain_only_reason(SamplingParams(temperature=0.8, top_p=0.9, seed=3)) is None
+    assert chain_only_reason(SamplingParams(logprobs=2)) == "logprobs"
+    assert chain_only_reason(SamplingParams(repetition_penalty=1.2)) == "penalties"
+    assert chain_only_reason(SamplingParams(presence_penalty=0.5)) == "penalties"
+    assert chain_only_reason(SamplingParams(min_tokens=4)) == "min_tokens"
+    assert chain_only_reason(SamplingParams(allowed_token_ids=[1, 2])) == "allowed_token_ids"
+
+
+def test_tree_option_translation(tmp_path) -> None:
+    """``tree`` in the speculative config: K becomes the node count, the depth must fit the
+    checkpoint's heads, bad values are one-line errors."""
+    from vllm_clover.frontend import CloverSpecError, tree_option
+
+    assert tree_option(None, 5) is None and tree_option("chain", 5) is None
+    assert tree_option("mc_sim_7b_63", 5).num_nodes == 25
+    assert tree_option([[0], [1], [0, 0]], 2).num_nodes == 3
+    with pytest.raises(CloverSpecError, match="5 deep but the checkpoint has 4 heads"):
+        tree_option("mc_sim_7b_63", 4)
+    with pytest.raises(CloverSpecError, match="unknown tree 'nope'"):
+        tree_option("nope", 5)
+    with pytest.raises(CloverSpecError, match="tree"):
+        tree_option([[0, 0]], 5)  # missing prefix (0,)
+    with pytest.raises(CloverSpecError, match="tree"):
+        tree_option(7, 5)
