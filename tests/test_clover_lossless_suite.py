@@ -1,5 +1,6 @@
-"""Greedy losslessness at scale, with the heads `vllm-clover serve` uses (issue: "Clover as a
-speculative-decoding method inside vLLM", correctness): 37 mixed prompts (MT-Bench first
+"""Greedy losslessness at scale, with the heads `vllm-clover serve` uses, in chain mode and
+with the small_10 tree (issues "Clover as a speculative-decoding method inside vLLM" and
+"Batched tree verification inside vLLM", correctness): 37 mixed prompts (MT-Bench first
 turns through the chat template, multi-turn chats, raw text and code, a prompt longer than
 the batch token budget) at batch 1 and all at once, then again under a KV cache so small
 that vLLM must preempt running requests. Every output must be token-identical to plain
@@ -42,13 +43,24 @@ def _prompts(tokenizer) -> list:
     return rendered + PROMPTS
 
 
-def _spec_config(ckpt: Path) -> dict:
+def _spec_config(ckpt: Path, tree: bool = False) -> dict:
+    """The serve defaults; with ``tree``, the small_10 tree instead of K and the batch-size
+    cut-off, and a token budget that keeps the tree for the whole batch (the scheduler's
+    256-token budget then truncates drafts to BFS prefixes)."""
     from vllm_clover.cli import SHIPPED_SERVE_OPTIONS
     from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
 
     options = dict(SHIPPED_SERVE_OPTIONS)
     if not (ckpt / DRAFT_VOCAB_FILE).is_file():
         options.pop("draft_vocab_size")
+    if tree:
+        import json
+
+        heads = json.loads((ckpt / "config.json").read_text())["num_heads"]
+        del options["num_speculative_tokens"], options["disable_by_batch_size"]
+        # small_10 is 5 deep; a 4-head fallback drafter gets a tree of its depth.
+        tree_spec = "small_10" if heads >= 5 else [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+        options.update(tree=tree_spec, tree_token_budget=512)
     return {"method": "clover", "model": str(ckpt), **options}
 
 
@@ -85,6 +97,8 @@ def runs(default_model_dir: Path, clover_ckpt_dir: Path) -> dict:
         "clover": _run(model, prompts, spec, 1 << 30, one_by_one=True),
         "plain_small": _run(model, prompts, None, SMALL_KV, one_by_one=False),
         "clover_small": _run(model, prompts, spec, SMALL_KV, one_by_one=False),
+        "tree": _run(model, prompts, _spec_config(clover_ckpt_dir, tree=True), 1 << 30, one_by_one=True),
+        "tree_small": _run(model, prompts, _spec_config(clover_ckpt_dir, tree=True), SMALL_KV, one_by_one=False),
     }
 
 
@@ -92,16 +106,19 @@ def test_at_least_32_mixed_prompts(runs) -> None:
     assert runs["num_prompts"] >= 32
 
 
-def test_batch_1_identical(runs) -> None:
-    assert runs["clover"]["batch1"] == runs["plain"]["batch1"]
+@pytest.mark.parametrize("mode", ["clover", "tree"])
+def test_batch_1_identical(runs, mode) -> None:
+    assert runs[mode]["batch1"] == runs["plain"]["batch1"]
 
 
-def test_all_at_once_identical(runs) -> None:
-    assert runs["clover"]["all"] == runs["plain"]["all"]
-    assert runs["clover"]["drafts"] > 0
+@pytest.mark.parametrize("mode", ["clover", "tree"])
+def test_all_at_once_identical(runs, mode) -> None:
+    assert runs[mode]["all"] == runs["plain"]["all"]
+    assert runs[mode]["drafts"] > 0
 
 
-def test_under_preemption_identical(runs) -> None:
-    assert runs["clover_small"]["preemptions"] > 0, "the small KV cache did not force preemption"
+@pytest.mark.parametrize("mode", ["clover", "tree"])
+def test_under_preemption_identical(runs, mode) -> None:
+    assert runs[f"{mode}_small"]["preemptions"] > 0, "the small KV cache did not force preemption"
     assert runs["plain_small"]["preemptions"] > 0
-    assert runs["clover_small"]["all"] == runs["plain_small"]["all"]
+    assert runs[f"{mode}_small"]["all"] == runs["plain_small"]["all"]

@@ -362,7 +362,17 @@ def test_tree_option_sets_k_to_the_node_count(default_model_dir, clover_ckpt_dir
     assert opts["checkpoint_num_heads"] >= 3
 
 
+def test_dynamic_tree_option(default_model_dir, clover_ckpt_dir) -> None:
+    _, config = _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                                   "tree": "dynamic", "dynamic_tree_nodes": 12})
+    assert config.speculative_config.num_speculative_tokens == 12
+    opts = config.additional_config["clover"]
+    assert opts["tree"] == "dynamic" and opts["tree_depth"] == opts["checkpoint_num_heads"]
+
+
 @pytest.mark.parametrize("extra,needles", [
+    ({"tree": "dynamic", "dynamic_tree_nodes": 0}, ("dynamic_tree_nodes",)),
+    ({"tree": "dynamic", "num_speculative_tokens": 3}, ("dynamic_tree_nodes (25)",)),
     ({"tree": "no_such_tree"}, ("unknown tree 'no_such_tree'",)),
     ({"tree": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]}, ("6 deep", "heads")),
     ({"tree": [[1]]}, ("tree",)),

@@ -306,9 +306,10 @@ def test_select_tree_shrinks_with_the_batch() -> None:
 
 
 def test_spine_is_the_top1_path() -> None:
-    assert spine(TREE) == [1, 4, 7]
+    assert spine(TREE.parent.tolist()) == [1, 4, 7]
     tree = get_tree("mc_sim_7b_63")
-    assert [tree.paths[n - 1] for n in spine(tree)] == [(0,) * d for d in range(1, 6)]
+    assert [tree.paths[n - 1] for n in spine(tree.parent.tolist())] == [(0,) * d for d in range(1, 6)]
+    assert spine([-1, 0, 0, 2]) == [1] and spine([-1]) == []  # a dynamic tree's shape
 
 
 def test_chain_only_reasons() -> None:
@@ -339,3 +340,4 @@ def test_tree_option_translation(tmp_path) -> None:
         tree_option([[0, 0]], 5)  # missing prefix (0,)
     with pytest.raises(CloverSpecError, match="tree"):
         tree_option(7, 5)
+    assert tree_option("dynamic", 5) == "dynamic"

@@ -34,11 +34,13 @@ METHOD = "clover"
 # draft_vocab_size (int, 0 = full vocabulary): the heads score only the checkpoint's N most
 # frequent response tokens (vllm_clover/draft_vocab.py); validated by draft_vocab_size().
 # disable_by_batch_size (int): no drafts once this many requests run (batch_size_schedule()).
-# tree ("chain" = off, a preset name, "chain<K>", or a list of top-k paths) and
-# tree_token_budget (int): batched tree verification (tree_option(), tree_verify.py).
+# tree ("chain" = off, a preset name, "chain<K>", a list of top-k paths, or "dynamic"),
+# tree_token_budget (int) and dynamic_tree_nodes (int): batched tree verification
+# (tree_option(), tree_verify.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
-                                   "tree_token_budget": 96}
+                                   "tree_token_budget": 96, "dynamic_tree_nodes": 25}
+DYNAMIC = "dynamic"
 
 
 class CloverSpecError(ValueError):
@@ -136,7 +138,15 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     k = spec.pop("num_speculative_tokens", None)
     tree = tree_option(spec.pop("tree", None), config.num_heads)
     options["tree_token_budget"] = token_budget(spec.pop("tree_token_budget", DEFAULT_OPTIONS["tree_token_budget"]))
-    if tree is not None:
+    nodes = token_budget(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
+    if tree == DYNAMIC:
+        # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
+        if k is not None and k != nodes:
+            raise CloverSpecError(f"with tree 'dynamic', num_speculative_tokens is dynamic_tree_nodes "
+                                  f"({nodes}); leave it out (got {k!r})")
+        k = nodes
+        options.update(tree=DYNAMIC, tree_name=DYNAMIC, tree_depth=config.num_heads, dynamic_tree_nodes=nodes)
+    elif tree is not None:
         # vLLM sizes its draft buffers, KV slots and metrics by num_speculative_tokens: with a
         # tree that is the node count N (drafts are the BFS-ordered nodes), not the head count.
         if k is not None and k != tree.num_nodes:
@@ -184,13 +194,16 @@ def batch_size_schedule(disable_at: Any, k: int) -> list[list[int]]:
 def tree_option(value: Any, num_heads: int) -> Any:
     """The ``tree`` option -> a ``tree.StaticTree``, or None for chain drafting.
 
-    Accepted: None / "chain" (off), a preset name (``tree.PRESETS``), "chain<K>", or a list
-    of top-k paths (Medusa / EAGLE style, e.g. ``[[0], [1], [0, 0]]``). Its depth must not
-    exceed the checkpoint's heads (head d drafts depth d+1)."""
+    Accepted: None / "chain" (off), a preset name (``tree.PRESETS``), "chain<K>", a list of
+    top-k paths (Medusa / EAGLE style, e.g. ``[[0], [1], [0, 0]]``), or "dynamic" (returned
+    as is: Clover-1's per-request tree, ``tree.build_dynamic_tree``). A static tree's depth
+    must not exceed the checkpoint's heads (head d drafts depth d+1)."""
     from vllm_clover.tree import PRESETS, StaticTree, get_tree
 
     if value is None or value == "chain":
         return None
+    if value == DYNAMIC:
+        return DYNAMIC
     try:
         if isinstance(value, str):
             tree = get_tree(value)
@@ -200,17 +213,18 @@ def tree_option(value: Any, num_heads: int) -> Any:
             raise ValueError(f"expected a preset name, 'chain<K>' or a list of paths, got {value!r}")
     except (KeyError, ValueError, TypeError) as exc:
         raise CloverSpecError(f"clover option tree: {str(exc).strip(chr(39))} "
-                              f"(presets: {sorted(PRESETS)}, 'chain<K>', or a list of top-k paths)") from None
+                              f"(presets: {sorted(PRESETS)}, 'chain<K>', 'dynamic', or a list of top-k paths)") from None
     if tree.max_depth > num_heads:
         raise CloverSpecError(f"clover option tree {tree.name!r} is {tree.max_depth} deep but the "
                               f"checkpoint has {num_heads} heads (one per depth)")
     return tree
 
 
-def token_budget(value: Any) -> int:
-    """``tree_token_budget``: verify tokens per step a tree may take, B * (N + 1)."""
+def token_budget(value: Any, name: str = "tree_token_budget") -> int:
+    """A positive integer option (``tree_token_budget``: verify tokens per step a tree may
+    take, B * (N + 1); ``dynamic_tree_nodes``: nodes per dynamic tree)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CloverSpecError(f"tree_token_budget must be an integer >= 1, got {value!r}")
+        raise CloverSpecError(f"{name} must be an integer >= 1, got {value!r}")
     return value
 
 

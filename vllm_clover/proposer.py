@@ -32,8 +32,8 @@ from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
 from vllm_clover.draft_vocab import load_draft_vocab
-from vllm_clover.frontend import clover_options
-from vllm_clover.tree import StaticTree, expand_static_tree
+from vllm_clover.frontend import DYNAMIC, clover_options
+from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
 from vllm_clover.tree_verify import (TreeStep, chain_only_reason, select_tree, spine, trunk_view)
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
 
@@ -104,7 +104,9 @@ class CloverProposer(MedusaProposer):
         # Tree mode (tree_verify.py): the configured tree, and per request the tokens and
         # parent pointers of the tree drafted last, read when its drafts come back scheduled.
         paths = self.options.get("tree")
-        self.tree: StaticTree | None = StaticTree(paths, self.options.get("tree_name", "custom")) if paths else None
+        self.tree: StaticTree | str | None = (
+            DYNAMIC if paths == DYNAMIC else StaticTree(paths, self.options.get("tree_name", "custom"))
+            if paths else None)
         self.tree_drafts: dict[str, tuple[list[int], Tensor]] = {}
 
     # ------------------------------------------------------------------ loading
@@ -217,53 +219,92 @@ class CloverProposer(MedusaProposer):
                                       batch.num_tokens_no_spec_cpu_tensor, positions.cpu(), qsl)
         z = self._run_trunk(runner, x, y.to(x.device), positions, cm, slot_mappings, n)
         z_last, first = z[last.to(x.device)], first.to(x.device)
-        tree = None if self.tree is None else select_tree(
-            self.tree, b, self.options["tree_token_budget"], k)
-        if tree is not None and tree.num_nodes > tree.max_depth:
-            return self._draft_tree(runner, z_last, first, tree, positions.cpu()[last]), None
+        if self.tree is not None:
+            drafted = self._draft_tree(runner, z_last, first, b, k, positions.cpu()[last])
+            if drafted is not None:
+                return drafted, None
+            k = self._chain_length(b, k)  # the batch is too large for a tree: a chain
         self.tree_drafts = {}
-        if tree is not None:
-            k = tree.num_nodes  # a chain that fits the batch's token budget
         drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
         if self.records is not None:
             self._record(batch, positions.cpu()[last], drafts.cpu())
         return drafts, probs
 
-    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, tree: StaticTree,
-                    last_positions: Tensor) -> list[list[int]]:
-        """Draft ``tree`` for every request (one batched head call per depth, top-k children
-        over the draft vocabulary; deterministic, so verification uses the one-hot rule).
-        Requests that cannot be verified as a tree (``chain_only_reason``) get its top-1
-        spine as a chain. Returns one draft list per request; remembers the trees. The draft
-        log (``records``) gets the spine, which equals chain drafting of the same depth."""
+    def _chain_length(self, b: int, k: int) -> int:
+        """Chain length when the batch's token budget has no room for a tree."""
+        depth = self.model.config.num_heads if self.tree == DYNAMIC else self.tree.max_depth
+        return max(1, min(depth, k, self.options["tree_token_budget"] // b - 1))
+
+    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, b: int, k: int,
+                    last_positions: Tensor) -> list[list[int]] | None:
+        """Draft this step's tree for every request (one batched head call per depth),
+        or return None when the batch only has room for a chain (``select_tree`` /
+        ``dynamic_budget``: B * (N + 1) <= tree_token_budget).
+
+        Static trees take each head's top-k children over the draft vocabulary; the
+        dynamic tree (Clover-1) keeps children by top-p / sibling ratio and ranks them by
+        joint probability under a per-request node budget. Both are deterministic, so
+        verification uses the one-hot rule. Requests that cannot be verified as a tree
+        (``chain_only_reason``) get its top-1 spine as a chain. Returns one draft list per
+        request and remembers each tree (``tree_drafts``). The draft log (``records``) gets
+        the spine, which equals chain drafting of the same depth."""
 
         def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
             state, o = self.model.head_step(state, prev, i)
             return state, self._draft_logits(o)
 
-        def topk(logits: Tensor, k: int) -> tuple[Tensor, None]:
-            local = logits.topk(k, dim=-1).indices
-            return (local if self.draft_ids is None else self.draft_ids[local]), None
+        if self.tree == DYNAMIC:
+            budget = dynamic_budget(b, self.options["tree_token_budget"], min(k, self.options["dynamic_tree_nodes"]))
+            if budget <= 1:
+                return None
+            dt = build_dynamic_tree(self._full_vocab(head), z_last, first, budget, self.model.config.num_heads)
+            counts = dt.buffers.num_nodes.tolist()
+            parents = [p[:c] for p, c in zip(dt.buffers.parent.tolist(), counts)]
+            drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
+        else:
+            tree = select_tree(self.tree, b, self.options["tree_token_budget"], k)
+            if tree.num_nodes == tree.max_depth:
+                return None
 
-        drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
-        top1 = [n - 1 for n in spine(tree)]
-        parent = tree.parent.clone()
+            def topk(logits: Tensor, n: int) -> tuple[Tensor, None]:
+                local = logits.topk(n, dim=-1).indices
+                return (local if self.draft_ids is None else self.draft_ids[local]), None
+
+            drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
+            parents = [tree.parent.tolist()] * b
         table: dict[str, tuple[list[int], Tensor]] = {}
-        out = []
-        for req_id, tokens in zip(runner.input_batch.req_ids, drafted):
+        out, spines = [], []
+        for req_id, tokens, parent in zip(runner.input_batch.req_ids, drafted, parents):
+            top1 = [tokens[n - 1] for n in spine(parent)]
+            spines.append(top1)
             state = runner.requests.get(req_id)
             reason = chain_only_reason(getattr(state, "sampling_params", None))
             if reason is None:
-                table[req_id] = (tokens, parent)
+                table[req_id] = (tokens, torch.tensor(parent))
                 out.append(tokens)
             else:
                 logger.debug("vllm-clover: request %s drafts a chain (tree verification cannot do %s)",
                              req_id, reason)
-                out.append([tokens[j] for j in top1])
+                out.append(top1)
         self.tree_drafts = table
         if self.records is not None:
-            self._record(runner.input_batch, last_positions, torch.tensor([[t[j] for j in top1] for t in drafted]))
+            depth = min(len(t) for t in spines)
+            self._record(runner.input_batch, last_positions, torch.tensor([t[:depth] for t in spines]))
         return out
+
+    def _full_vocab(self, head: Any) -> Any:
+        """A head function whose logits cover the whole vocabulary (-inf outside a reduced
+        draft vocabulary), so tree builders that pick token ids by logit index see real ids."""
+        if self.draft_ids is None:
+            return head
+        vocab = self.model.config.vocab_size
+
+        def full(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
+            state, logits = head(state, prev, i)
+            out = logits.new_full((logits.shape[0], vocab), float("-inf"))
+            out[:, self.draft_ids] = logits
+            return state, out
+        return full
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
         """Log (req_id, committed tokens, drafts) for every request whose whole committed

@@ -436,8 +436,14 @@ def select_tree(tree: StaticTree, batch_size: int, token_budget: int, max_nodes:
     return get_tree(f"chain{k}")
 
 
-def spine(tree: StaticTree) -> list[int]:
-    """Node indices of the top-1 path (ranks all 0), depth 1 first: a request that must
-    draft a chain gets these tokens of the tree."""
-    index = {p: i + 1 for i, p in enumerate(tree.paths)}
-    return [index[(0,) * d] for d in range(1, tree.max_depth + 1)]
+def spine(parent: list[int]) -> list[int]:
+    """Node indices of the top-1 path (the first child at every depth), depth 1 first, from
+    BFS parent pointers (root first, siblings in rank order): a request that must draft a
+    chain gets these tokens of its tree."""
+    path, node = [], 0
+    while True:
+        child = next((m for m in range(node + 1, len(parent)) if parent[m] == node), None)
+        if child is None:
+            return path
+        path.append(child)
+        node = child
