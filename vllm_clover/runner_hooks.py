@@ -23,6 +23,14 @@ Both act only when the engine runs a Clover checkpoint through the medusa slot
   drafts are discarded anyway, and the request's generator is left exactly as the rewind
   intends (untouched by the partial step).
 
+Tree verification (Clover engines with the ``tree`` option; vllm_clover/tree_verify.py):
+
+* ``_prepare_inputs``: after vLLM computed the KV slots from sequential positions, tree rows
+  get RoPE positions ``root + depth`` and the step's tree plan is published;
+* the attention backends' ``forward`` (CPU_ATTN, FlashAttention): while a plan is active,
+  the rows of tree requests are recomputed with their ancestor mask;
+* ``runner.rejection_sampler`` (an attribute, set in ``__init__``): ``TreeRejectionSampler``.
+
 Plus one CPU kernel fix (process-wide, every engine): vLLM 0.32's C++ fallback for the
 rejection sampler's ``expand_kernel`` casts its *output* to int64 and never copies the
 result back, so the per-token temperatures / top-k / top-p of the verification rows are

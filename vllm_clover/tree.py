@@ -61,7 +61,12 @@ SMALL_10: tuple[tuple[int, ...], ...] = (
     (0, 0, 0, 0), (0, 0, 0, 1),
     (0, 0, 0, 0, 0),
 )
-PRESETS: dict[str, tuple[tuple[int, ...], ...]] = {"mc_sim_7b_63": MC_SIM_7B_63, "small_10": SMALL_10}
+# A 4-node tree for compute-bound targets (ours; this 2-core CPU): the top-2 tokens at
+# depth 1, each followed by its top-1 child. Every extra verified token costs real compute
+# there, and depth-1 alternatives carry most of a tree's gain (docs/tree-verification.md).
+SMALL_4: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (1, 0))
+PRESETS: dict[str, tuple[tuple[int, ...], ...]] = {"mc_sim_7b_63": MC_SIM_7B_63, "small_10": SMALL_10,
+                                                   "small_4": SMALL_4}
 DEFAULT_TREE = "mc_sim_7b_63"
 
 
@@ -277,7 +282,7 @@ def chain_paths(k: int) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=None)
 def get_tree(name: str = DEFAULT_TREE) -> StaticTree:
-    """A named preset: ``"mc_sim_7b_63"`` (default), ``"small_10"`` or ``"chain<K>"``."""
+    """A named preset: ``"mc_sim_7b_63"`` (default), ``"small_10"``, ``"small_4"`` or ``"chain<K>"``."""
     m = re.fullmatch(r"chain(\d+)", name)
     if m:
         return StaticTree(chain_paths(int(m.group(1))), name)
