@@ -137,8 +137,9 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     disable_at = spec.pop("disable_by_batch_size", None)
     k = spec.pop("num_speculative_tokens", None)
     tree = tree_option(spec.pop("tree", None), config.num_heads)
-    options["tree_token_budget"] = token_budget(spec.pop("tree_token_budget", DEFAULT_OPTIONS["tree_token_budget"]))
-    nodes = token_budget(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
+    options["tree_token_budget"] = positive_int(
+        spec.pop("tree_token_budget", DEFAULT_OPTIONS["tree_token_budget"]), "tree_token_budget")
+    nodes = positive_int(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
     if tree == DYNAMIC:
         # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
         if k is not None and k != nodes:
@@ -220,7 +221,7 @@ def tree_option(value: Any, num_heads: int) -> Any:
     return tree
 
 
-def token_budget(value: Any, name: str = "tree_token_budget") -> int:
+def positive_int(value: Any, name: str) -> int:
     """A positive integer option (``tree_token_budget``: verify tokens per step a tree may
     take, B * (N + 1); ``dynamic_tree_nodes``: nodes per dynamic tree)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

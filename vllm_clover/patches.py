@@ -250,7 +250,7 @@ def _check_tree_prepare_inputs() -> None:
     assert "isinstance(self._draft_token_ids, list)" in _source(GPUModelRunner._get_draft_token_ids_cpu)
 
 
-def _install_tree_cpu_attention() -> None:
+def _install_tree_attention() -> None:
     from vllm_clover import runner_hooks
 
     runner_hooks.install_tree_attention()
@@ -494,11 +494,11 @@ CATALOGUE: list[Patch] = [
         why=(
             "vLLM's CPU and FlashAttention kernels know only causal masks. While a tree plan is active "
             "(target forward of a tree step, never Clover's trunk), the rows of tree requests "
-            "are recomputed with their ancestor mask over the paged KV (kernels.tree_attention)."
+            "are recomputed with their ancestor mask over the paged KV (tree_verify.tree_attention_rows)."
             " A no-op in every engine without a tree plan."
         ),
         remove_when="vLLM's CPU attention takes arbitrary masks, or vLLM verifies trees itself",
-        apply=_install_tree_cpu_attention,
+        apply=_install_tree_attention,
         check=_check_tree_attention,
     ),
     Patch(

@@ -34,14 +34,13 @@ from vllm_clover.checkpoint import CloverCheckpointError
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
 from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
-from vllm_clover.tree_verify import (TreeStep, chain_only_reason, select_tree, spine, trunk_view)
+from vllm_clover.tree_verify import (GREEDY_TEMPERATURE, TreeStep, chain_only_reason, select_tree, spine,
+                                     trunk_view)
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
 
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-# vLLM's SamplingMetadata.temperature value for greedy requests (rejection_sampler.py).
-GREEDY_TEMPERATURE = 0.0
 
 
 def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
@@ -107,7 +106,7 @@ class CloverProposer(MedusaProposer):
         self.tree: StaticTree | str | None = (
             DYNAMIC if paths == DYNAMIC else StaticTree(paths, self.options.get("tree_name", "custom"))
             if paths else None)
-        self.tree_drafts: dict[str, tuple[list[int], Tensor]] = {}
+        self.tree_drafts: dict[str, tuple[list[int], tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ loading
     def load_model(self, target_model: nn.Module) -> None:
@@ -148,7 +147,15 @@ class CloverProposer(MedusaProposer):
         for module in self.model.modules():
             if getattr(module, "layer_name", None) in self._layer_names:
                 module.clover_trunk = True  # tree_verify's attention hook leaves these alone
-        if self.tree is not None and torch.device(self.device).type == "cpu":
+        if self.tree is not None:
+            self._check_tree_support(target_model)
+
+    def _check_tree_support(self, target_model: nn.Module) -> None:
+        """Refuse at start-up what tree verification cannot do right: an attention backend
+        without the tree hook, a CPU KV layout our views do not read, full CUDA graphs."""
+        _check_tree_attention_backends(target_model)
+        device = torch.device(self.device).type
+        if device == "cpu":
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
             from vllm_clover.tree_verify import check_cpu_kv_layout
@@ -157,13 +164,11 @@ class CloverProposer(MedusaProposer):
             block_size = self.vllm_config.cache_config.block_size
             isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), self.vllm_config.cache_config.cache_dtype)
             check_cpu_kv_layout(isa, mc.dtype, mc.get_head_size(), block_size)
-        if self.tree is not None:
-            _check_tree_attention_backends(target_model)
-        if self.tree is not None and torch.device(self.device).type == "cuda":
+        elif device == "cuda":
             mode = self.vllm_config.compilation_config.cudagraph_mode
             if mode is not None and mode.has_full_cudagraphs():
                 # The tree hooks are Python around the attention call; a replayed full graph
-                # would skip them and verify the tree as a chain of garbage positions.
+                # would skip them and verify the tree rows with a causal mask.
                 raise NotImplementedError(
                     "vllm-clover: tree verification on GPU needs --enforce-eager (or a "
                     f"cudagraph_mode without full graphs), got {mode.name}")
@@ -259,7 +264,7 @@ class CloverProposer(MedusaProposer):
                 return None
             dt = build_dynamic_tree(self._full_vocab(head), z_last, first, budget, self.model.config.num_heads)
             counts = dt.buffers.num_nodes.tolist()
-            parents = [p[:c] for p, c in zip(dt.buffers.parent.tolist(), counts)]
+            parents = [tuple(p[:c]) for p, c in zip(dt.buffers.parent.tolist(), counts)]
             drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
         else:
             tree = select_tree(self.tree, b, self.options["tree_token_budget"], k)
@@ -271,8 +276,8 @@ class CloverProposer(MedusaProposer):
                 return (local if self.draft_ids is None else self.draft_ids[local]), None
 
             drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
-            parents = [tree.parent.tolist()] * b
-        table: dict[str, tuple[list[int], Tensor]] = {}
+            parents = [tuple(tree.parent.tolist())] * b
+        table: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         out, spines = [], []
         for req_id, tokens, parent in zip(runner.input_batch.req_ids, drafted, parents):
             top1 = [tokens[n - 1] for n in spine(parent)]
@@ -280,7 +285,7 @@ class CloverProposer(MedusaProposer):
             state = runner.requests.get(req_id)
             reason = chain_only_reason(getattr(state, "sampling_params", None))
             if reason is None:
-                table[req_id] = (tokens, torch.tensor(parent))
+                table[req_id] = (tokens, parent)
                 out.append(tokens)
             else:
                 logger.debug("vllm-clover: request %s drafts a chain (tree verification cannot do %s)",

@@ -10,15 +10,16 @@ verification, in five places (hooks in ``runner_hooks``, catalogue in ``patches`
    scheduled drafts are a tree the proposer made, overwrite the RoPE positions of its rows
    with ``root + depth``. The KV slots were already computed from sequential positions, so
    node n keeps its own slot ``root + n``.
-2. ``tree_attention_rows`` (after the CPU attention kernel of each target layer): recompute
-   the rows of tree requests with the ancestor mask (prefix + ancestors + self) through
-   ``kernels.tree_attention``; the native kernel knows only causal masks.
+2. ``tree_attention_rows`` (after the attention kernel of each target layer): recompute
+   the rows of tree requests with the ancestor mask (prefix + ancestors + self), on CPU
+   straight from vLLM's cache layout, on GPU through ``kernels.tree_attention``; the native
+   kernels know only causal masks.
 3. ``TreeRejectionSampler`` (replaces ``runner.rejection_sampler``): greedy rows take the
    longest path matching the target's argmax; sampled rows use lossless multi-candidate
    rejection sampling (``tree.sample_accept``). The accepted path is then handed to vLLM's
    own rejection sampler as a *chain* (logits rows reordered), so its output layout,
    logprobs, roll-back and metrics stay vLLM's.
-4. ``compact_accepted_kv`` (in the sampler): the target KV of the accepted nodes moves to
+4. ``TreeRejectionSampler.compact``: the target KV of the accepted nodes moves to
    slots ``root + 1 .. root + a`` (``kernels.kv_compact``), so the cache is contiguous again
    before the scheduler's next step.
 5. ``trunk_view`` (in the proposer): Clover's trunk runs over the accepted rows only, as a
@@ -63,8 +64,9 @@ class TreeRequest:
     slots: Tensor       # [n+1] long: KV slots of rows start..start+n (positions root..root+n)
     # Set by the sampler: accepted node indices, root (0) first.
     path: list[int] | None = None
-    # Built at the first target layer, reused by the others (same block table):
-    # (block, offset) of positions 0..root+n, and the [n+1, root+n+1] bool attention mask.
+    # Built at the first target layer, reused by the others (same block table, CPU path):
+    # (block, offset) of positions 0..root+n, and the additive attention mask
+    # [(n+1) * heads-per-KV-head, root+n+1] (0 / -inf).
     kv_index: tuple[Tensor, Tensor] | None = None
     attn_mask: Tensor | None = None
 
@@ -115,12 +117,12 @@ def plan_tree_step(runner: Any, scheduler_output: Any) -> TreeStep | None:
         if entry is None or n == 0 or list(drafts) != entry[0][:n]:
             continue
         parent = entry[1][: n + 1]
-        if bool((parent[1:] == torch.arange(n)).all()):
+        if all(p == m for m, p in enumerate(parent[1:])):
             continue  # the scheduled prefix is a chain: vLLM verifies it as is
         i = batch.req_id_to_index[req_id]
         start = int(qsl[i])
         root = int(batch.num_computed_tokens_cpu[i])
-        buffers = tree_buffers(tuple(parent.tolist()))
+        buffers = tree_buffers(parent)
         runner.positions[start:start + n + 1] = root + buffers.depth[0].to(runner.positions.device)
         slots = slot_mapping[start:start + n + 1].to(torch.long).cpu().clone()
         requests.append(TreeRequest(index=i, start=start, root=root, buffers=buffers, slots=slots))
@@ -230,8 +232,7 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
         q = query[rows].view(n1, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n1 * group, d)
         scores = torch.baddbmm(r.attn_mask, q, k.permute(1, 2, 0), alpha=impl.scale)
         o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, n1*group, D]
-        out[rows] = o.view(hkv, n1, group, d).permute(1, 0, 2, 3).reshape(n1, impl.num_heads * d).view(
-            n1, impl.num_heads, d).to(out.dtype)
+        out[rows] = o.view(hkv, n1, group, d).permute(1, 0, 2, 3).reshape(n1, impl.num_heads, d).to(out.dtype)
 
 
 # ============================================================================ acceptance
@@ -296,6 +297,7 @@ class TreeRejectionSampler(torch.nn.Module):
         super().__init__()
         self.inner = inner
         self._kv_layers = kv_layers  # () -> list of (impl, kv_cache) of the target's layers
+        self._caches: list[Tensor] | None = None  # their K/V views, built once (bound at start-up)
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
                 sampling_metadata: Any) -> Any:
@@ -358,9 +360,9 @@ class TreeRejectionSampler(torch.nn.Module):
 
         src = torch.stack([m[0] for m in moves])[None]
         dst = torch.stack([m[1] for m in moves])[None]
-        caches = []
-        for impl, kv_cache in self._kv_layers():
-            caches.extend(cache_views(impl, kv_cache))
+        if self._caches is None:
+            self._caches = [view for impl, kv_cache in self._kv_layers() for view in cache_views(impl, kv_cache)]
+        caches = self._caches
         kv_compact(caches, src.to(caches[0].device), dst.to(caches[0].device))
 
 
