@@ -42,7 +42,7 @@ setup(
     packages=find_packages(include=["vllm_clover", "vllm_clover.*", "kernels", "benchmarks"]),
     py_modules=["vllm_clover_dist_alias"],
     include_package_data=True,
-    package_data={"vllm_clover": ["heads/**/*"]},
+    package_data={"vllm_clover": ["heads/**/*"], "kernels": ["csrc/*.cpp"]},
     cmdclass={"build_py": BuildPyWithPth},
     install_requires=[
         "safetensors>=0.4",

@@ -4,6 +4,7 @@ fast (before any engine process is spawned) with one readable line."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from vllm_clover.checkpoint import CloverCheckpointError
-from vllm_clover.frontend import CloverSpecError
+from vllm_clover.frontend import TREE_TOKEN_BUDGET, CloverSpecError
 
 
 def _engine_config(model_dir: Path, spec: dict, **kw):
@@ -368,6 +369,20 @@ def test_dynamic_tree_option(default_model_dir, clover_ckpt_dir) -> None:
     assert config.speculative_config.num_speculative_tokens == 12
     opts = config.additional_config["clover"]
     assert opts["tree"] == "dynamic" and opts["tree_depth"] == opts["checkpoint_num_heads"]
+    assert opts["tree_token_budget"] == TREE_TOKEN_BUDGET["cpu"]  # this suite runs the CPU build
+
+
+def test_tree_over_budget_warns_at_start_up(default_model_dir, clover_ckpt_dir, caplog) -> None:
+    """small_10 (11 verify tokens) does not fit the CPU default budget of 8 even at batch 1:
+    start-up says it will draft a chain; with room for it nothing is said."""
+    spec = {"method": "clover", "model": str(clover_ckpt_dir), "tree": "small_10"}
+    with caplog.at_level(logging.WARNING, logger="vllm_clover.frontend"):
+        _engine_config(default_model_dir, spec)
+    assert "tree 'small_10' needs 11 verify tokens" in caplog.text and "chain of 5" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_clover.frontend"):
+        _engine_config(default_model_dir, {**spec, "tree_token_budget": 11})
+    assert "verify tokens" not in caplog.text
 
 
 @pytest.mark.parametrize("extra,needles", [

@@ -35,11 +35,18 @@ METHOD = "clover"
 # frequent response tokens (vllm_clover/draft_vocab.py); validated by draft_vocab_size().
 # disable_by_batch_size (int): no drafts once this many requests run (batch_size_schedule()).
 # tree ("chain" = off, a preset name, "chain<K>", a list of top-k paths, or "dynamic"),
-# tree_token_budget (int) and dynamic_tree_nodes (int): batched tree verification
-# (tree_option(), tree_verify.py).
+# tree_token_budget (int; default by device, TREE_TOKEN_BUDGET) and dynamic_tree_nodes (int):
+# batched tree verification (tree_option(), tree_verify.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
-                                   "tree_token_budget": 96, "dynamic_tree_nodes": 25}
+                                   "tree_token_budget": None, "dynamic_tree_nodes": 25}
+# Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
+# CPU: the target is compute-bound from a few tokens (each verified token ~1.2 ms for the
+# default model on 2 cores), and the largest tree that paid there is small_4 at batch 1
+# (5 tokens; docs/tree-verification.md); 8 keeps trees to batch 1 and makes larger batches
+# draft short chains (batch 2: chain3, from batch 3: chain1). GPU: memory-bound up to about
+# a hundred tokens per step; 96 is a starting point to tune per GPU and model.
+TREE_TOKEN_BUDGET = {"cpu": 8, "gpu": 96}
 DYNAMIC = "dynamic"
 
 
@@ -138,7 +145,7 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     k = spec.pop("num_speculative_tokens", None)
     tree = tree_option(spec.pop("tree", None), config.num_heads)
     options["tree_token_budget"] = positive_int(
-        spec.pop("tree_token_budget", DEFAULT_OPTIONS["tree_token_budget"]), "tree_token_budget")
+        spec.pop("tree_token_budget", default_tree_token_budget()), "tree_token_budget")
     nodes = positive_int(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
     if tree == DYNAMIC:
         # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
@@ -156,6 +163,8 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
                 f"({tree.num_nodes}); leave it out (got {k!r})")
         k = tree.num_nodes
         options.update(tree=[list(p) for p in tree.paths], tree_name=tree.name, tree_depth=tree.max_depth)
+    if tree is not None:
+        warn_tree_over_budget(tree, nodes, options["tree_token_budget"])
     if k is None:
         k = config.num_heads
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -219,6 +228,30 @@ def tree_option(value: Any, num_heads: int) -> Any:
         raise CloverSpecError(f"clover option tree {tree.name!r} is {tree.max_depth} deep but the "
                               f"checkpoint has {num_heads} heads (one per depth)")
     return tree
+
+
+def warn_tree_over_budget(tree: Any, dynamic_nodes: int, budget: int) -> None:
+    """Say at start-up when even a batch of one cannot draft the configured tree: the tree
+    would silently become a chain (static) or be capped (dynamic) at every step."""
+    from vllm.logger import init_logger
+
+    n = dynamic_nodes if tree == DYNAMIC else tree.num_nodes
+    if n + 1 <= budget:
+        return
+    name = DYNAMIC if tree == DYNAMIC else repr(tree.name)
+    effect = (f"dynamic trees get at most {budget - 1} nodes" if tree == DYNAMIC
+              else f"every step drafts a chain of {max(1, min(tree.max_depth, budget - 1))} instead")
+    init_logger(__name__).warning(
+        "vllm-clover: tree %s needs %d verify tokens per request but tree_token_budget is %d "
+        "(default on this device: %s); %s. Raise tree_token_budget to use the whole tree.",
+        name, n + 1, budget, TREE_TOKEN_BUDGET, effect)
+
+
+def default_tree_token_budget() -> int:
+    """``TREE_TOKEN_BUDGET`` for the platform vLLM runs on (CPU build or not)."""
+    from vllm.platforms import current_platform
+
+    return TREE_TOKEN_BUDGET["cpu" if current_platform.is_cpu() else "gpu"]
 
 
 def positive_int(value: Any, name: str) -> int:

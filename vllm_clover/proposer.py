@@ -152,7 +152,8 @@ class CloverProposer(MedusaProposer):
 
     def _check_tree_support(self, target_model: nn.Module) -> None:
         """Refuse at start-up what tree verification cannot do right: an attention backend
-        without the tree hook, a CPU KV layout our views do not read, full CUDA graphs."""
+        without the tree hook, a CPU KV layout our views do not read, full CUDA graphs; and
+        build the CPU tree-attention kernel before serving (its build errors surface here)."""
         _check_tree_attention_backends(target_model)
         device = torch.device(self.device).type
         if device == "cpu":
@@ -164,6 +165,10 @@ class CloverProposer(MedusaProposer):
             block_size = self.vllm_config.cache_config.block_size
             isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), self.vllm_config.cache_config.cache_dtype)
             check_cpu_kv_layout(isa, mc.dtype, mc.get_head_size(), block_size)
+            from kernels import tree_attention_cpu
+
+            if tree_attention_cpu.enabled():
+                tree_attention_cpu.load()  # compile now (first run: ~1 min), fail at start-up
         elif device == "cuda":
             mode = self.vllm_config.compilation_config.cudagraph_mode
             if mode is not None and mode.has_full_cudagraphs():

@@ -12,8 +12,9 @@ verification, in five places (hooks in ``runner_hooks``, catalogue in ``patches`
    node n keeps its own slot ``root + n``.
 2. ``tree_attention_rows`` (after the attention kernel of each target layer): recompute
    the rows of tree requests with the ancestor mask (prefix + ancestors + self), on CPU
-   straight from vLLM's cache layout, on GPU through ``kernels.tree_attention``; the native
-   kernels know only causal masks.
+   straight from vLLM's cache layout (C++ kernel ``kernels.tree_attention_cpu``; PyTorch
+   with ``VLLM_CLOVER_CPU_TREE_KERNEL=0``), on GPU through ``kernels.tree_attention``; the
+   native kernels know only causal masks.
 3. ``TreeRejectionSampler`` (replaces ``runner.rejection_sampler``): greedy rows take the
    longest path matching the target's argmax; sampled rows use lossless multi-candidate
    rejection sampling (``tree.sample_accept``). The accepted path is then handed to vLLM's
@@ -42,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.tree_attention_cpu import enabled as cpu_kernel_enabled
+from kernels.tree_attention_cpu import tree_attention_paged_cpu
 from vllm_clover.tree import (StaticTree, TreeBuffers, buffers_from_parents, get_tree, greedy_accept,
                               sample_accept)
 
@@ -78,6 +81,9 @@ class TreeStep:
     num_tokens: int
     requests: list[TreeRequest]
     by_index: dict[int, TreeRequest] = field(default_factory=dict)
+    # Inputs of the C++ CPU kernel (kernels.tree_attention_cpu), built at the first layer:
+    # meta [R, 4] int64 (first row, n1, root, batch row), anc [R, NMAX, NMAX] uint8.
+    cpu_kernel_inputs: tuple[Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.by_index = {r.index: r for r in self.requests}
@@ -198,8 +204,16 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
     query [T, Hq, D]; output [T, Hq*D] or [T, Hq, D] (written in place).
     """
     d = impl.head_size
-    key_cache, value_cache = cache_views(impl, kv_cache)
     out = output.view(output.shape[0], impl.num_heads, d)
+    if query.device.type == "cpu" and cpu_kernel_enabled():
+        # One C++ call for all tree rows, reading the paged cache in place (no gather).
+        if step.cpu_kernel_inputs is None:
+            step.cpu_kernel_inputs = cpu_kernel_inputs(step)
+        meta, anc = step.cpu_kernel_inputs
+        tree_attention_paged_cpu(query.view(query.shape[0], impl.num_heads, d), kv_cache, out, meta,
+                                 attn_metadata.block_table, anc, impl.scale)
+        return
+    key_cache, value_cache = cache_views(impl, kv_cache)
     for r in step.requests:
         n1 = r.buffers.width
         rows = slice(r.start, r.start + n1)
@@ -233,6 +247,17 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
         scores = torch.baddbmm(r.attn_mask, q, k.permute(1, 2, 0), alpha=impl.scale)
         o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, n1*group, D]
         out[rows] = o.view(hkv, n1, group, d).permute(1, 0, 2, 3).reshape(n1, impl.num_heads, d).to(out.dtype)
+
+
+def cpu_kernel_inputs(step: TreeStep) -> tuple[Tensor, Tensor]:
+    """(meta [R, 4] int64, anc [R, NMAX, NMAX] uint8) of a step for the C++ kernel."""
+    width = max(r.buffers.width for r in step.requests)
+    meta = torch.tensor([[r.start, r.buffers.width, r.root, r.index] for r in step.requests], dtype=torch.long)
+    anc = torch.zeros(len(step.requests), width, width, dtype=torch.uint8)
+    for k, r in enumerate(step.requests):
+        n1 = r.buffers.width
+        anc[k, :n1, :n1] = r.buffers.ancestor_mask[0]
+    return meta, anc
 
 
 # ============================================================================ acceptance

@@ -1,0 +1,90 @@
+"""Tree-masked attention read in place from vLLM's CPU KV cache: a C++ kernel
+(``csrc/tree_attention_cpu.cpp``) compiled on first use with ``torch.utils.cpp_extension``.
+
+Why: the PyTorch path gathers every tree request's paged K/V prefix per layer per step;
+on this 2-core CPU that gather dominates the tree rows' cost (docs/tree-verification.md).
+The contract is the one of ``tree_verify.tree_attention_rows`` for CPU_ATTN's ``vec`` /
+``vec16`` layout: kv_cache [num_blocks, Hkv, block_size, 2*D], per (block, head) the key half
+transposed [D, block_size], then the value half [block_size, D].
+
+Building needs a C++ compiler (g++) and ninja; :func:`load` raises ``CpuKernelBuildError``
+naming what failed. Set ``VLLM_CLOVER_CPU_TREE_KERNEL=0`` to use the PyTorch path instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "tree_attention_cpu.cpp"
+ENV_VAR = "VLLM_CLOVER_CPU_TREE_KERNEL"
+
+
+class CpuKernelBuildError(RuntimeError):
+    """The C++ tree-attention kernel could not be compiled or loaded."""
+
+
+def enabled() -> bool:
+    """False when ``VLLM_CLOVER_CPU_TREE_KERNEL=0`` asks for the PyTorch path."""
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV_VAR}={value!r}; expected 0 or 1")
+    return value != "0"
+
+
+def _isa_flags() -> list[str]:
+    # Vectorise the position and head-dim loops for what this CPU has; the flags are part of
+    # torch's build hash, so another CPU (or flag set) gets its own build.
+    capability = torch.backends.cpu.get_cpu_capability()
+    return ["-mavx2", "-mfma"] if capability in ("AVX2", "AVX512") else []
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any:
+    """Compile (first call on this machine: about a minute) and import the kernel module."""
+    from torch.utils import cpp_extension
+
+    # torch finds ninja on PATH; a venv used without activation (`.venv/bin/vllm-clover serve`)
+    # has its ninja (a vLLM dependency) next to the interpreter, not on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        return cpp_extension.load(name="vllm_clover_tree_attention_cpu", sources=[str(SOURCE)],
+                                  extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_isa_flags()], verbose=False)
+    except Exception as exc:  # compiler missing, ninja missing, build error: all fatal here
+        raise CpuKernelBuildError(
+            f"vllm-clover: could not build the CPU tree-attention kernel {SOURCE.name} "
+            f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+            f"install g++ and ninja, or set {ENV_VAR}=0 for the slower PyTorch path") from exc
+
+
+def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+                             meta: torch.Tensor, block_table: torch.Tensor, anc: torch.Tensor,
+                             scale: float) -> None:
+    """Overwrite the tree rows of ``output`` in place.
+
+    query, output  [T, Hq, D] (last dim contiguous; output may be a view of [T, Hq*D])
+    kv_cache       [num_blocks, Hkv, block_size, 2*D], vLLM CPU_ATTN layout, contiguous
+    meta           [R, 4] int64: per tree request (first row, rows n1 incl. root, root position,
+                   row of ``block_table``)
+    block_table    [num_reqs, max_blocks] int32
+    anc            [R, NMAX, NMAX] uint8: anc[r, i, j] = node j is node i's ancestor or itself
+    """
+    if query.dtype != kv_cache.dtype or output.dtype != query.dtype:
+        raise TypeError(f"dtype mismatch: query {query.dtype}, kv_cache {kv_cache.dtype}, output {output.dtype}")
+    if query.stride(-1) != 1 or output.stride(-1) != 1 or not kv_cache.is_contiguous():
+        raise ValueError("query/output need a contiguous last dim and kv_cache must be contiguous")
+    if query.shape[1] % kv_cache.shape[1] or kv_cache.shape[3] != 2 * query.shape[2]:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    if meta.dtype != torch.int64 or block_table.dtype != torch.int32 or anc.dtype != torch.uint8:
+        raise TypeError("meta must be int64, block_table int32, anc uint8")
+    if block_table.stride(-1) != 1 or not meta.is_contiguous() or not anc.is_contiguous():
+        raise ValueError("meta, anc and the rows of block_table must be contiguous")
+    load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale))
