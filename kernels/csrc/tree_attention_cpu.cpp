@@ -30,6 +30,9 @@
 
 namespace {
 
+// Score of a masked (invisible) tree position: finite, exp(kMasked - max) == 0.
+constexpr float kMasked = -1e30f;
+
 template <typename T>
 void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& output,
                          const torch::Tensor& meta, const torch::Tensor& block_table,
@@ -89,26 +92,25 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
           for (int64_t j = 0; j < cnt; ++j) sq[j] += qe * static_cast<float>(kr[j]);
         }
       }
-      // Mask (tree positions p >= root need anc[i][p - root]), max, exp, sum; masked
-      // weights are exactly 0 (no -inf: the build uses -ffast-math).
+      // Mask, max, exp, sum. Positions before `root` are seen by every row; a tree position
+      // p needs anc[i][p - root], else its score becomes kMasked, whose exp is exactly 0 (no
+      // -inf: the build uses -ffast-math). Branch-free loops, so exp is vectorised.
+      const int64_t shared = std::clamp<int64_t>(root - p0, 0, cnt);
       for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t i = qi / group;
-        const uint8_t* allowed = mask + (r * nmax + i) * nmax;
+        const uint8_t* allowed = mask + (r * nmax + qi / group) * nmax;
         float* sq = s.data() + qi * bs;
-        float mx = -FLT_MAX;
-        bool any = false;
-        for (int64_t j = 0; j < cnt; ++j) {
-          const int64_t p = p0 + j;
-          if (p >= root && !allowed[p - root]) continue;
-          mx = std::max(mx, sq[j]);
-          any = true;
-        }
+        for (int64_t j = shared; j < cnt; ++j)
+          if (!allowed[p0 + j - root]) sq[j] = kMasked;
+        float mx = kMasked;
+        for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, sq[j]);
         float l = 0.0f;
-        for (int64_t j = 0; j < cnt; ++j) {
-          const int64_t p = p0 + j;
-          const bool vis = any && (p < root || allowed[p - root]);
-          sq[j] = vis ? std::exp(sq[j] - mx) : 0.0f;
-          l += sq[j];
+        if (mx > 0.5f * kMasked) {
+          for (int64_t j = 0; j < cnt; ++j) {
+            sq[j] = std::exp(sq[j] - mx);
+            l += sq[j];
+          }
+        } else {
+          std::fill(sq, sq + cnt, 0.0f);  // this row sees nothing here: l = 0, skipped in pass 2
         }
         pw[qi * part + d] = mx;
         pw[qi * part + d + 1] = l;
