@@ -1,6 +1,8 @@
 """Kernels for Clover tree verification: tree attention over a paged KV cache, and KV
 compaction of the accepted path. Each has a PyTorch reference (``*_ref``, the CPU path and
 the test oracle) and a Triton kernel (``*_triton``). Docs: docs/trees-and-kernels.md.
+On CPU, tree verification inside vLLM uses the C++ kernel of ``kernels.tree_attention_cpu``
+(vLLM's CPU cache layout, read in place) instead.
 
 Backend selection for integration code: :func:`tree_attention` / :func:`kv_compact` read
 ``VLLM_CLOVER_TREE_KERNELS`` on every call:

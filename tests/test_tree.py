@@ -331,6 +331,29 @@ def test_dynamic_tree_token_level_rules():
     assert dt.buffers.num_nodes.tolist() == [3]
 
 
+def test_dynamic_tree_over_a_reduced_vocabulary_equals_the_masked_full_one():
+    """Heads scoring a draft vocabulary (columns = vocab_ids) build the same tree as heads
+    scoring the whole vocabulary with -inf outside it."""
+    g = torch.Generator().manual_seed(3)
+    vocab, ids = 50, torch.tensor([4, 9, 17, 23, 31, 40, 44, 49])
+    weights = [torch.randn(vocab, generator=g) * 3 for _ in range(4)]
+
+    def sub(state, prev, d):
+        return state + 1, torch.stack([weights[d][ids] + 0.1 * float(t % 7) for t in prev.tolist()])
+
+    def full(state, prev, d):
+        state, logits = sub(state, prev, d)
+        out = torch.full((logits.shape[0], vocab), float("-inf"))
+        out[:, ids] = logits
+        return state, out
+
+    z, roots = torch.zeros(2, 4), torch.tensor([1, 2])
+    a = build_dynamic_tree(sub, z, roots, budget=6, max_depth=4, top_p=0.95, vocab_ids=ids)
+    b = build_dynamic_tree(full, z, roots, budget=6, max_depth=4, top_p=0.95)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.buffers.parent, b.buffers.parent)
+    assert int(a.buffers.num_nodes.min()) > 2  # a real tree, not just the root and one child
+
+
 def test_dynamic_tree_batched_padding_matches_single():
     step = table_heads({(0, 1): [0.5, 0.35, 0.1, 0.05], (1, 0): [0.7, 0.2, 0.1], (1, 1): [0.9, 0.05, 0.05],
                         (0, 2): [0.97], (1, 0): [0.7, 0.2, 0.1], (2, 0): [0.6, 0.4]})

@@ -267,7 +267,8 @@ class CloverProposer(MedusaProposer):
             budget = dynamic_budget(b, self.options["tree_token_budget"], min(k, self.options["dynamic_tree_nodes"]))
             if budget <= 1:
                 return None
-            dt = build_dynamic_tree(self._full_vocab(head), z_last, first, budget, self.model.config.num_heads)
+            dt = build_dynamic_tree(head, z_last, first, budget, self.model.config.num_heads,
+                                    vocab_ids=self.draft_ids)
             counts = dt.buffers.num_nodes.tolist()
             parents = [tuple(p[:c]) for p, c in zip(dt.buffers.parent.tolist(), counts)]
             drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
@@ -301,20 +302,6 @@ class CloverProposer(MedusaProposer):
             depth = min(len(t) for t in spines)
             self._record(runner.input_batch, last_positions, torch.tensor([t[:depth] for t in spines]))
         return out
-
-    def _full_vocab(self, head: Any) -> Any:
-        """A head function whose logits cover the whole vocabulary (-inf outside a reduced
-        draft vocabulary), so tree builders that pick token ids by logit index see real ids."""
-        if self.draft_ids is None:
-            return head
-        vocab = self.model.config.vocab_size
-
-        def full(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
-            state, logits = head(state, prev, i)
-            out = logits.new_full((logits.shape[0], vocab), float("-inf"))
-            out[:, self.draft_ids] = logits
-            return state, out
-        return full
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
         """Log (req_id, committed tokens, drafts) for every request whose whole committed
