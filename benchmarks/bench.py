@@ -228,9 +228,12 @@ def print_table(results: list[dict]) -> None:
 
 
 def _label(method: str) -> str:
-    """A method spec without the directories of its checkpoint path (chart labels)."""
+    """A method spec without the directories of its checkpoint path, its options on a
+    second line (chart labels)."""
     name, _, rest = method.partition(":")
-    return f"{name}:{rest.split('/')[-1]}" if rest else name
+    label = f"{name}:{rest.split('/')[-1]}" if rest else name
+    head, _, options = label.partition("?")
+    return head + ("\n" + options.replace("&", ", ") if options else "")
 
 
 def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
@@ -272,7 +275,7 @@ def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
     fig.text(0.01, 0.01, note, fontsize=7)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     paths = [out_dir / "throughput.png"]
-    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -291,7 +294,7 @@ def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
     fig.text(0.01, 0.01, note, fontsize=7)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[1], dpi=120)
+    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
 

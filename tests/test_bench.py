@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -100,5 +101,28 @@ def test_plot_writes_throughput_and_acceptance_charts(tmp_path, batch_sizes) -> 
     paths = bench.plot(results, tmp_path, conditions)
     assert [p.name for p in paths] == ["throughput.png", "acceptance.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
-    assert bench._label("clover:/x/heads/h@2?k=1") == "clover:h@2?k=1"
+    assert bench._label("clover:/x/heads/h@2?k=1&tree=small_4") == "clover:h@2\nk=1, tree=small_4"
     assert bench._label("vanilla") == "vanilla"
+
+
+def test_profile_timer_counts_calls_and_time() -> None:
+    """benchmarks.profile_step's timers add wall time and calls per key, pass results and
+    exceptions through, and keep the wrapped function's name."""
+    import collections
+    import types
+
+    from benchmarks.profile_step import add_timer
+
+    def work(x):
+        if x < 0:
+            raise ValueError("negative")
+        time.sleep(0.01)
+        return 2 * x
+
+    owner = types.SimpleNamespace(work=work)
+    totals, calls = collections.defaultdict(float), collections.Counter()
+    add_timer(totals, calls, owner, "work", "w")
+    assert owner.work(3) == 6 and owner.work.__name__ == "work"
+    with pytest.raises(ValueError, match="negative"):
+        owner.work(-1)
+    assert calls["w"] == 2 and totals["w"] >= 0.01

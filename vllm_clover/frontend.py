@@ -41,11 +41,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
                                    "tree_token_budget": None, "dynamic_tree_nodes": 25}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
-# CPU: the target is compute-bound from a few tokens (each verified token ~1.2 ms for the
-# default model on 2 cores), and the largest tree that paid there is small_4 at batch 1
-# (5 tokens; docs/tree-verification.md); 8 keeps trees to batch 1 and makes larger batches
-# draft short chains (batch 2: chain3, from batch 3: chain1). GPU: memory-bound up to about
-# a hundred tokens per step; 96 is a starting point to tune per GPU and model.
+# CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
+# step streams the weights), ~11 cost 10+ ms more, and from batch 4 chain K=2 already runs
+# below vanilla; small_4 and dynamic <= 6 nodes paid at batch 1 (docs/tree-verification.md).
+# 8 keeps trees to batch 1 and makes larger batches draft short chains (batch 2: chain3,
+# from batch 3: chain1). GPU: memory-bound up to about a hundred tokens per step; 96 is a
+# starting point to tune per GPU and model.
 TREE_TOKEN_BUDGET = {"cpu": 8, "gpu": 96}
 DYNAMIC = "dynamic"
 
