@@ -372,6 +372,15 @@ def test_dynamic_tree_option(default_model_dir, clover_ckpt_dir) -> None:
     assert opts["tree_token_budget"] == TREE_TOKEN_BUDGET["cpu"]  # this suite runs the CPU build
 
 
+def test_worker_side_options_default_to_the_device_tree_budget() -> None:
+    """A config the front end never stashed options in still gets a usable budget."""
+    from types import SimpleNamespace
+
+    from vllm_clover.frontend import clover_options
+
+    assert clover_options(SimpleNamespace(additional_config=None))["tree_token_budget"] == TREE_TOKEN_BUDGET["cpu"]
+
+
 def test_tree_over_budget_warns_at_start_up(default_model_dir, clover_ckpt_dir, caplog) -> None:
     """small_10 (11 verify tokens) does not fit the CPU default budget of 8 even at batch 1:
     start-up says it will draft a chain; with room for it nothing is said."""

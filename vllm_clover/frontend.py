@@ -38,8 +38,9 @@ METHOD = "clover"
 # tree_token_budget (int; default by device, TREE_TOKEN_BUDGET) and dynamic_tree_nodes (int):
 # batched tree verification (tree_option(), tree_verify.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
+# (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
-                                   "tree_token_budget": None, "dynamic_tree_nodes": 25}
+                                   "dynamic_tree_nodes": 25}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
 # step streams the weights), ~11 cost 10+ ms more, and from batch 4 chain K=2 already runs
@@ -310,7 +311,7 @@ def is_clover_vllm_config(vllm_config: Any) -> bool:
 def clover_options(vllm_config: Any) -> dict[str, Any]:
     """Clover-only options stashed by the front end (defaults if absent)."""
     extra = (getattr(vllm_config, "additional_config", None) or {}).get("clover") or {}
-    return {**DEFAULT_OPTIONS, **extra}
+    return {**DEFAULT_OPTIONS, "tree_token_budget": default_tree_token_budget(), **extra}
 
 
 # ============================================================================ installation
