@@ -37,10 +37,13 @@ METHOD = "clover"
 # tree ("chain" = off, a preset name, "chain<K>", a list of top-k paths, or "dynamic"),
 # tree_token_budget (int; default by device, TREE_TOKEN_BUDGET) and dynamic_tree_nodes (int):
 # batched tree verification (tree_option(), tree_verify.py).
+# prompt_lookup_tokens (int, 0 = off), prompt_lookup_min / prompt_lookup_max (n-gram sizes):
+# up to that many tokens of vLLM's ngram continuation grafted into every tree (lookup.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 # (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
-                                   "dynamic_tree_nodes": 25}
+                                   "dynamic_tree_nodes": 25, "prompt_lookup_tokens": 0,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
 # step streams the weights), ~11 cost 10+ ms more, and from batch 4 chain K=2 already runs
@@ -149,24 +152,27 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     options["tree_token_budget"] = positive_int(
         spec.pop("tree_token_budget", default_tree_token_budget()), "tree_token_budget")
     nodes = positive_int(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
+    lookup = prompt_lookup_options(spec, tree)
+    options.update(lookup)
+    extra = lookup["prompt_lookup_tokens"]  # grafted nodes on top of the tree's own
     if tree == DYNAMIC:
         # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
-        if k is not None and k != nodes:
+        if k is not None and k != nodes + extra:
             raise CloverSpecError(f"with tree 'dynamic', num_speculative_tokens is dynamic_tree_nodes "
-                                  f"({nodes}); leave it out (got {k!r})")
-        k = nodes
+                                  f"+ prompt_lookup_tokens ({nodes + extra}); leave it out (got {k!r})")
+        k = nodes + extra
         options.update(tree=DYNAMIC, tree_name=DYNAMIC, tree_depth=config.num_heads, dynamic_tree_nodes=nodes)
     elif tree is not None:
         # vLLM sizes its draft buffers, KV slots and metrics by num_speculative_tokens: with a
         # tree that is the node count N (drafts are the BFS-ordered nodes), not the head count.
-        if k is not None and k != tree.num_nodes:
+        if k is not None and k != tree.num_nodes + extra:
             raise CloverSpecError(
                 f"with tree {tree.name!r}, num_speculative_tokens is its node count "
-                f"({tree.num_nodes}); leave it out (got {k!r})")
-        k = tree.num_nodes
+                f"+ prompt_lookup_tokens ({tree.num_nodes + extra}); leave it out (got {k!r})")
+        k = tree.num_nodes + extra
         options.update(tree=[list(p) for p in tree.paths], tree_name=tree.name, tree_depth=tree.max_depth)
     if tree is not None:
-        warn_tree_over_budget(tree, nodes, options["tree_token_budget"])
+        warn_tree_over_budget(tree, nodes, options["tree_token_budget"], extra)
     if k is None:
         k = config.num_heads
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -232,17 +238,44 @@ def tree_option(value: Any, num_heads: int) -> Any:
     return tree
 
 
-def warn_tree_over_budget(tree: Any, dynamic_nodes: int, budget: int) -> None:
+def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
+    """Pop and check ``prompt_lookup_tokens`` / ``_min`` / ``_max`` from ``spec``.
+
+    Lookup candidates are grafted into the tree (lookup.py), so they need tree
+    verification: without a tree the option is an error naming the fix."""
+    out = {key: DEFAULT_OPTIONS[key] for key in ("prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max")}
+    for key in out:
+        if key in spec:
+            value = spec.pop(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "prompt_lookup_tokens" else 1):
+                raise CloverSpecError(f"{key} must be an integer >= "
+                                      f"{0 if key == 'prompt_lookup_tokens' else 1}, got {value!r}")
+            out[key] = value
+    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        raise CloverSpecError(f"prompt_lookup_min ({out['prompt_lookup_min']}) is larger than "
+                              f"prompt_lookup_max ({out['prompt_lookup_max']})")
+    if out["prompt_lookup_tokens"] and tree is None:
+        raise CloverSpecError("prompt_lookup_tokens grafts lookup candidates into a token tree and needs "
+                              "the tree option (e.g. \"tree\": \"small_4\", or \"chain2\" for Clover's chain)")
+    return out
+
+
+def warn_tree_over_budget(tree: Any, dynamic_nodes: int, budget: int, lookup_tokens: int = 0) -> None:
     """Say at start-up when even a batch of one cannot draft the configured tree: the tree
     would silently become a chain (static) or be capped (dynamic) at every step."""
     from vllm.logger import init_logger
 
-    n = dynamic_nodes if tree == DYNAMIC else tree.num_nodes
+    own = dynamic_nodes if tree == DYNAMIC else tree.num_nodes
+    n = own + lookup_tokens
     if n + 1 <= budget:
         return
     name = DYNAMIC if tree == DYNAMIC else repr(tree.name)
-    effect = (f"dynamic trees get at most {budget - 1} nodes" if tree == DYNAMIC
-              else f"every step drafts a chain of {max(1, min(tree.max_depth, budget - 1))} instead")
+    if own + 1 <= budget:  # the tree fits; the lookup tokens fill what is left
+        effect = f"prompt lookup adds at most {budget - 1 - own} of its {lookup_tokens} tokens"
+    elif tree == DYNAMIC:
+        effect = f"dynamic trees get at most {budget - 1} nodes"
+    else:
+        effect = f"every step drafts a chain of {max(1, min(tree.max_depth, budget - 1))} instead"
     init_logger(__name__).warning(
         "vllm-clover: tree %s needs %d verify tokens per request but tree_token_budget is %d "
         "(default on this device: %s); %s. Raise tree_token_budget to use the whole tree.",

@@ -33,7 +33,8 @@ from vllm.v1.spec_decode.medusa import MedusaProposer
 from vllm_clover.checkpoint import CloverCheckpointError
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
-from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
+from vllm_clover.lookup import lookup_continuation
+from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree, graft_chain
 from vllm_clover.tree_verify import (GREEDY_TEMPERATURE, TreeStep, chain_only_reason, select_tree, spine,
                                      trunk_view)
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
@@ -263,34 +264,46 @@ class CloverProposer(MedusaProposer):
             state, o = self.model.head_step(state, prev, i)
             return state, self._draft_logits(o)
 
+        token_budget = self.options["tree_token_budget"]
+        lookup = self.options["prompt_lookup_tokens"]
         if self.tree == DYNAMIC:
-            budget = dynamic_budget(b, self.options["tree_token_budget"], min(k, self.options["dynamic_tree_nodes"]))
-            if budget <= 1:
-                return None
+            budget = dynamic_budget(b, token_budget, max(1, min(k - lookup, self.options["dynamic_tree_nodes"])))
+            is_chain = budget <= 1
+        else:
+            tree = select_tree(self.tree, b, token_budget, max(1, k - lookup))
+            budget, is_chain = tree.num_nodes, tree.num_nodes == tree.max_depth
+        # Prompt lookup fills the verify tokens the tree leaves (lookup.py, tree first);
+        # without it a chain is verified by vLLM's own code.
+        lookup = max(0, min(lookup, k - budget, token_budget // b - 1 - budget))
+        if is_chain and not lookup:
+            return None
+        if self.tree == DYNAMIC:
             dt = build_dynamic_tree(head, z_last, first, budget, self.model.config.num_heads,
                                     vocab_ids=self.draft_ids)
             counts = dt.buffers.num_nodes.tolist()
             parents = [tuple(p[:c]) for p, c in zip(dt.buffers.parent.tolist(), counts)]
             drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
         else:
-            tree = select_tree(self.tree, b, self.options["tree_token_budget"], k)
-            if tree.num_nodes == tree.max_depth:
-                return None
-
             def topk(logits: Tensor, n: int) -> tuple[Tensor, None]:
                 local = logits.topk(n, dim=-1).indices
                 return (local if self.draft_ids is None else self.draft_ids[local]), None
 
             drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
             parents = [tuple(tree.parent.tolist())] * b
+        batch = runner.input_batch
         table: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         out, spines = [], []
-        for req_id, tokens, parent in zip(runner.input_batch.req_ids, drafted, parents):
+        for i, (req_id, tokens, parent) in enumerate(zip(batch.req_ids, drafted, parents)):
             top1 = [tokens[n - 1] for n in spine(parent)]
             spines.append(top1)
             state = runner.requests.get(req_id)
             reason = chain_only_reason(getattr(state, "sampling_params", None))
             if reason is None:
+                if lookup:
+                    committed = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])]
+                    chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
+                                                self.options["prompt_lookup_max"], lookup)
+                    tokens, parent = graft_chain(tokens, parent, chain.tolist())
                 table[req_id] = (tokens, parent)
                 out.append(tokens)
             else:

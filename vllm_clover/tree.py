@@ -510,6 +510,46 @@ def build_dynamic_tree(head_step_fn: HeadStepFn, z_last: Tensor, root_tokens: Te
     return DraftTree(tokens=tokens, draft_probs=None, buffers=buffers_from_parents(parent, valid))
 
 
+def graft_chain(tokens: Sequence[int], parent: Sequence[int],
+                chain: Sequence[int]) -> tuple[list[int], tuple[int, ...]]:
+    """Merge a chain of candidate tokens (e.g. a prompt-lookup continuation) into one
+    request's tree, hanging from the root.
+
+    tokens [N]: draft tokens of nodes 1..N; parent [N+1]: BFS parent pointers (root -1).
+    The chain follows existing nodes while their tokens match (no duplicate siblings: a
+    repeated sibling could never be accepted) and adds new nodes for the rest, each as
+    the last-ranked child of its parent, so the tree's own top-1 spine is unchanged.
+    Returns (tokens, parent) of the merged tree, relabelled in BFS order (its prefixes
+    stay ancestor-closed for vLLM's scheduler). Pure; O(N * len(chain)).
+    """
+    toks = [None, *tokens]
+    children: list[list[int]] = [[] for _ in toks]
+    for n in range(1, len(toks)):
+        children[parent[n]].append(n)
+    node = 0
+    for t in chain:
+        t = int(t)
+        match = next((c for c in children[node] if toks[c] == t), None)
+        if match is None:
+            match = len(toks)
+            toks.append(t)
+            children.append([])
+            children[node].append(match)
+        node = match
+    order, queue = [], [0]
+    while queue:  # BFS, children in rank order: the original nodes keep their order
+        n = queue.pop(0)
+        order.append(n)
+        queue.extend(children[n])
+    new_index = {old: i for i, old in enumerate(order)}
+    old_parent = [-1] * len(toks)
+    for p, kids in enumerate(children):
+        for c in kids:
+            old_parent[c] = p
+    merged_parent = tuple([-1] + [new_index[old_parent[old]] for old in order[1:]])
+    return [toks[old] for old in order[1:]], merged_parent
+
+
 # ============================================================================ acceptance
 @dataclass
 class AcceptResult:
