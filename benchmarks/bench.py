@@ -20,8 +20,12 @@ How it measures (conditions are written into the JSON):
 - Batch size ``b``: the prompts are submitted in waves of ``b`` concurrent requests; tokens/s
   = generated tokens / wall time over all waves (prefill included; one warm-up wave first).
 - Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch
-  size: mean acceptance length = 1 + accepted / drafts; per-position rate = accepted at
-  position i / drafts.
+  size. Mean acceptance length = tokens per decode step of a request, bonus included, over
+  *every* decode step: (T - R) / (T - R - accepted) for T generated tokens of R requests
+  (each request-step yields accepted + 1 tokens; the first token comes from prefill). vLLM's
+  own ratio, 1 + accepted / drafts, counts only steps that drafted, which flatters ngram
+  (no draft where nothing matches); it is kept as ``acceptance_length_when_drafting``.
+  Per-position rate = accepted at position i / drafts.
 - Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the
   worker, ``CloverWorkerExtension.clover_timing``) divided by the rest of the wall time of
   the same steps (target forward, sampling, scheduling): ``draft_cost_vs_target_step``.
@@ -33,7 +37,7 @@ Output schema (``--output``)::
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
                   "tokens_per_s_runs", "num_speculative_tokens", "checkpoint",
-                  "draft_cost_vs_target_step"}]}
+                  "draft_cost_vs_target_step", "acceptance_length_when_drafting"}]}
 
 ``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them);
 ``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla.
@@ -168,10 +172,11 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
         if clover:
             llm.collective_rpc("clover_timing")  # reset
         before = _spec_counters(llm)
-        t0, tokens = time.perf_counter(), 0
+        t0, tokens, requests = time.perf_counter(), 0, 0
         for i in range(0, len(prompts), b):
             outs = llm.generate(prompts[i:i + b], params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            requests += len(outs)
         elapsed = time.perf_counter() - t0
         after = _spec_counters(llm)
         drafts = after["drafts"] - before["drafts"]
@@ -181,9 +186,18 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
         rows.append({"method": spec.label, "batch_size": b, "tokens_per_s": tokens / elapsed,
                      "tokens": tokens, "seconds": elapsed, "draft_seconds": draft_s,
                      "draft_cost_vs_target_step": draft_s / (elapsed - draft_s) if clover else None,
-                     "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+                     "mean_acceptance_length": tokens_per_decode_step(tokens, requests, accepted),
+                     "acceptance_length_when_drafting": 1 + accepted / drafts if drafts else 1.0,
                      "acceptance_per_position": [p / drafts for p in per_pos] if drafts else []})
     return rows
+
+
+def tokens_per_decode_step(tokens: int, requests: int, accepted: int) -> float:
+    """Generated tokens per decode step of a request, bonus included, every step counted
+    (steps that drafted nothing too): each request-step yields accepted + 1 tokens and the
+    first token of each request comes from its prefill."""
+    steps = tokens - requests - accepted
+    return (tokens - requests) / steps if steps > 0 else 1.0
 
 
 def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> list[dict]:
@@ -200,6 +214,8 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
                 "method": spec.label, "batch_size": b,
                 "tokens_per_s": sum(tps) / len(tps), "tokens_per_s_runs": tps,
                 "mean_acceptance_length": sum(r["mean_acceptance_length"] for r in mine) / len(mine),
+                "acceptance_length_when_drafting": sum(r.get("acceptance_length_when_drafting", 1.0)
+                                                       for r in mine) / len(mine),
                 "acceptance_per_position": [
                     sum(r["acceptance_per_position"][i] for r in mine if len(r["acceptance_per_position"]) > i)
                     / len(mine) for i in range(npos)],
@@ -217,14 +233,15 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'method':40s} {'batch':>5s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s} "
-          f"{'draft cost':>10s}  per-position")
+          f"{'(drafting)':>10s} {'draft cost':>10s}  per-position")
     for r in results:
         sp = f"{r['speedup_vs_vanilla']:.2f}x" if r["speedup_vs_vanilla"] else "-"
         pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
         dc = r.get("draft_cost_vs_target_step")
         dc = f"{100 * dc:.0f}%" if dc is not None else "-"
         print(f"{r['method'][-40:]:40s} {r['batch_size']:5d} {r['tokens_per_s']:8.1f} {sp:>8s} "
-              f"{r['mean_acceptance_length']:10.2f} {dc:>10s}  {pos}")
+              f"{r['mean_acceptance_length']:10.2f} {r.get('acceptance_length_when_drafting', 1.0):10.2f} "
+              f"{dc:>10s}  {pos}")
 
 
 def _label(method: str) -> str:

@@ -61,6 +61,14 @@ def test_aggregate_means_and_speedup() -> None:
         assert key in res["ngram@2"]
 
 
+def test_tokens_per_decode_step_counts_every_step() -> None:
+    """2 requests, 22 tokens, 8 accepted drafts: 20 decode tokens in 12 request-steps
+    (whatever the drafter did in the steps without drafts); no decode step -> 1."""
+    assert bench.tokens_per_decode_step(22, 2, 8) == pytest.approx(20 / 12)
+    assert bench.tokens_per_decode_step(20, 2, 0) == 1.0
+    assert bench.tokens_per_decode_step(2, 2, 0) == 1.0
+
+
 def test_prompt_file_validation(tmp_path) -> None:
     good = tmp_path / "p.jsonl"
     good.write_text(json.dumps({"turns": ["hi"]}) + "\n" + json.dumps({"prompt": "raw"}) + "\n")

@@ -47,6 +47,14 @@ def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads) 
     assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
 
 
+def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_env, "is_cpu_platform", lambda: False)
+    argv = cli.serve_argv(None, "h", 1, [])
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "clover", "model": str(default_with_heads), **cli.SHIPPED_SERVE_OPTIONS_GPU}
+    assert "tree" not in spec
+
+
 @pytest.mark.parametrize("extra, clover", [
     ([], False),
     (["--speculative-config", '{"method": "ngram"}'], True),

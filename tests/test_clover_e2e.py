@@ -15,7 +15,8 @@ One plain LLM per module, then one Clover LLM per mode (started one after the ot
 ``chain`` (K = 3 drafts in a row), ``tree`` (batched tree verification, a 9-node tree
 of depth 4: tree-masked attention rows, tree acceptance, KV compaction, the trunk over
 accepted paths; vllm_clover/tree_verify.py) and ``dynamic`` (Clover-1's per-request tree,
-up to 8 nodes). Every test runs for every mode. The Clover
+up to 8 nodes, plus up to 3 prompt-lookup nodes grafted in: vllm_clover/lookup.py). Every
+test runs for every mode. The Clover
 LLM runs a *sensitized* drafter (tests/conftest.py::sensitize_drafter) whose drafts depend
 strongly on all of its inputs.
 """
@@ -44,8 +45,9 @@ K = 3
 # Tree mode: 9 nodes (3 / 3 / 2 / 1 per depth); the budget keeps the tree at 16 requests.
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 MODES = {"chain": {"num_speculative_tokens": K}, "tree": {"tree": TREE, "tree_token_budget": 512},
-         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512}}
-NUM_SPEC = {"chain": K, "tree": len(TREE), "dynamic": 8}
+         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512,
+                     "prompt_lookup_tokens": 3}}
+NUM_SPEC = {"chain": K, "tree": len(TREE), "dynamic": 8 + 3}
 # Sampling test prompt: the sensitized drafter's heads are fitted to its continuations
 # (tests/conftest.py::fit_heads_to_prompt), so drafts are both accepted and rejected.
 SAMPLE_PROMPT = FIT_PROMPT
@@ -150,6 +152,8 @@ def _run_suite(llm, tokenizer, clover: bool) -> dict:
         records = llm.collective_rpc("clover_take_drafts")[0]
         # The 984-token request's own drafts are left out of the reference (cost).
         res["draft_records"] = [r for r in records if r[0].rsplit("-", 1)[0] != res["near_limit_id"]]
+        res["tree_records"] = [r for r in llm.collective_rpc("clover_take_tree_drafts")[0]
+                               if r[0].rsplit("-", 1)[0] != res["near_limit_id"]]
         llm.collective_rpc("clover_record_drafts", args=(False,))
     res.update({
         "single": [ids(llm.generate([p], greedy, use_tqdm=False))[0] for p in (PROMPTS[0], PROMPTS[3])],
@@ -492,6 +496,28 @@ def conditional_goodness_of_fit(samples: list[tuple], position: int, conditional
     p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                       torch.tensor(stat / 2, dtype=torch.float64)))
     return stat, df, p
+
+
+def test_prompt_lookup_branch_in_every_tree(results: dict) -> None:
+    """In the mode with prompt lookup, every tree vLLM verified holds the n-gram
+    continuation of the request's committed tokens (lookup.py, vLLM's ngram rule) as a
+    path from the root, next to Clover's own nodes; the repeated passages make many."""
+    import numpy as np
+
+    from vllm_clover.lookup import lookup_continuation
+
+    options = MODES[results["mode"]]
+    if not options.get("prompt_lookup_tokens"):
+        pytest.skip("this mode runs without prompt lookup")
+    grafted = 0
+    for _, committed, tokens, parent in results["clover"]["tree_records"]:
+        chain = lookup_continuation(np.array(committed), 2, 4, options["prompt_lookup_tokens"]).tolist()
+        paths = {0: ()}
+        for n in range(1, len(parent)):
+            paths[n] = paths[parent[n]] + (tokens[n - 1],)
+        assert tuple(chain) in paths.values(), (chain, tokens, parent)
+        grafted += bool(chain)
+    assert grafted >= 100, grafted
 
 
 def test_chi_square_helper_detects_a_shift() -> None:

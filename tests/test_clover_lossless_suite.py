@@ -1,5 +1,5 @@
 """Greedy losslessness at scale, with the heads `vllm-clover serve` uses, in chain mode and
-with the small_10 tree (issues "Clover as a speculative-decoding method inside vLLM" and
+with the small_10 tree and prompt lookup (issues "Clover as a speculative-decoding method inside vLLM" and
 "Batched tree verification inside vLLM", correctness): 37 mixed prompts (MT-Bench first
 turns through the chat template, multi-turn chats, raw text and code, a prompt longer than
 the batch token budget) at batch 1 and all at once, then again under a KV cache so small
@@ -44,9 +44,9 @@ def _prompts(tokenizer) -> list:
 
 
 def _spec_config(ckpt: Path, tree: bool = False) -> dict:
-    """The serve defaults; with ``tree``, the small_10 tree instead of K and the batch-size
-    cut-off, and a token budget that keeps the tree for the whole batch (the scheduler's
-    256-token budget then truncates drafts to BFS prefixes)."""
+    """The serve defaults; with ``tree``, the small_10 tree with 3 prompt-lookup nodes
+    instead of K and the batch-size cut-off, and a token budget that keeps the tree for the
+    whole batch (the scheduler's 256-token budget then truncates drafts to BFS prefixes)."""
     from vllm_clover.cli import SHIPPED_SERVE_OPTIONS
     from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
 
@@ -57,10 +57,11 @@ def _spec_config(ckpt: Path, tree: bool = False) -> dict:
         import json
 
         heads = json.loads((ckpt / "config.json").read_text())["num_heads"]
-        del options["num_speculative_tokens"], options["disable_by_batch_size"]
+        for key in ("num_speculative_tokens", "disable_by_batch_size"):
+            options.pop(key, None)
         # small_10 is 5 deep; a 4-head fallback drafter gets a tree of its depth.
         tree_spec = "small_10" if heads >= 5 else [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-        options.update(tree=tree_spec, tree_token_budget=512)
+        options.update(tree=tree_spec, tree_token_budget=512, prompt_lookup_tokens=3)
     return {"method": "clover", "model": str(ckpt), **options}
 
 

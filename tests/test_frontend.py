@@ -407,3 +407,42 @@ def test_bad_tree_options_are_one_line_errors(default_model_dir, clover_ckpt_dir
     with pytest.raises(CloverSpecError) as excinfo:
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir), **extra})
     _one_line_error(excinfo, *needles)
+
+
+def test_prompt_lookup_tokens_add_to_the_node_count(default_model_dir, clover_ckpt_dir) -> None:
+    """Grafted lookup nodes are drafts too: vLLM's K is the tree's nodes plus them."""
+    base = {"method": "clover", "model": str(clover_ckpt_dir), "tree_token_budget": 40}
+    _, config = _engine_config(default_model_dir, {**base, "tree": "small_4", "prompt_lookup_tokens": 3,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert config.speculative_config.num_speculative_tokens == 4 + 3
+    opts = config.additional_config["clover"]
+    assert (opts["prompt_lookup_tokens"], opts["prompt_lookup_min"], opts["prompt_lookup_max"]) == (3, 1, 3)
+    _, config = _engine_config(default_model_dir, {**base, "tree": "dynamic", "dynamic_tree_nodes": 6,
+                                                   "prompt_lookup_tokens": 2})
+    assert config.speculative_config.num_speculative_tokens == 8
+    assert config.additional_config["clover"]["prompt_lookup_min"] == 2  # vLLM ngram's bench default
+    _, config = _engine_config(default_model_dir, {**base, "tree": "small_4"})
+    assert config.additional_config["clover"]["prompt_lookup_tokens"] == 0
+
+
+def test_prompt_lookup_over_budget_warns(default_model_dir, clover_ckpt_dir, caplog) -> None:
+    spec = {"method": "clover", "model": str(clover_ckpt_dir), "tree": "small_4", "prompt_lookup_tokens": 5}
+    with caplog.at_level(logging.WARNING, logger="vllm_clover.frontend"):
+        _engine_config(default_model_dir, spec)  # 4 + 5 + 1 = 10 > 8
+    assert "needs 10 verify tokens" in caplog.text and "prompt lookup adds at most 3 of its 5" in caplog.text
+
+
+@pytest.mark.parametrize("extra,needles", [
+    ({"prompt_lookup_tokens": 3}, ("prompt_lookup_tokens", "tree option", "chain2")),
+    ({"tree": "small_4", "prompt_lookup_tokens": -1}, ("prompt_lookup_tokens must be an integer >= 0",)),
+    ({"tree": "small_4", "prompt_lookup_tokens": True}, ("prompt_lookup_tokens",)),
+    ({"tree": "small_4", "prompt_lookup_tokens": 2, "prompt_lookup_min": 0}, ("prompt_lookup_min must be an integer >= 1",)),
+    ({"tree": "small_4", "prompt_lookup_tokens": 2, "prompt_lookup_min": 5}, ("prompt_lookup_min (5)", "prompt_lookup_max (4)")),
+    ({"tree": "small_4", "prompt_lookup_tokens": 2, "num_speculative_tokens": 4}, ("node count + prompt_lookup_tokens (6)",)),
+    ({"tree": "dynamic", "prompt_lookup_tokens": 2, "num_speculative_tokens": 4},
+     ("dynamic_tree_nodes + prompt_lookup_tokens (27)",)),
+])
+def test_bad_prompt_lookup_options_are_one_line_errors(default_model_dir, clover_ckpt_dir, extra, needles) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir), **extra})
+    _one_line_error(excinfo, *needles)

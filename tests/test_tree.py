@@ -9,8 +9,8 @@ import torch
 
 from vllm_clover.tree import (MC_SIM_7B_63, PRESETS, StaticTree, accepted_kv_moves, buffers_from_parents,
                               build_dynamic_tree, drafter_head_step_fn, dynamic_budget, expand_static_tree,
-                              get_tree, greedy_accept, greedy_topk, leaf_paths, positions_to_slots,
-                              sample_accept, sampling_topk, tree_for_batch_size)
+                              get_tree, graft_chain, greedy_accept, greedy_topk, leaf_paths,
+                              positions_to_slots, sample_accept, sampling_topk, tree_for_batch_size)
 
 # The list from the brief, written out independently of the module's constant.
 BRIEF_MC_SIM = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -608,3 +608,70 @@ def test_compaction_plan_applied_to_a_list():
         cache[dst[ok]] = cache[src[ok]].clone()
         assert cache[root : root + a + 1].tolist() == [1000 + int(n) for n in leaf[: a + 1]]
         assert cache[:root].tolist() == list(range(root))
+
+
+# ============================================================================ grafting
+SMALL_4_TOKENS = [10, 11, 12, 13]  # node 1 = 10 (rank 0), 2 = 11 (rank 1), 3 = 12 (child of 1), 4 = 13 (of 2)
+
+
+@pytest.mark.parametrize("chain,tokens,parent", [
+    ([10, 12, 14], [10, 11, 12, 13, 14], (-1, 0, 0, 1, 2, 3)),       # follows the spine, adds depth 3
+    ([11, 20], [10, 11, 12, 13, 20], (-1, 0, 0, 1, 2, 2)),           # second child of node 2
+    ([30, 31], [10, 11, 30, 12, 13, 31], (-1, 0, 0, 0, 1, 2, 3)),    # new root branch, relabelled BFS
+    ([10, 12], SMALL_4_TOKENS, (-1, 0, 0, 1, 2)),                    # already in the tree
+    ([], SMALL_4_TOKENS, (-1, 0, 0, 1, 2)),
+])
+def test_graft_chain_hand_cases(chain, tokens, parent) -> None:
+    small4 = tuple(get_tree("small_4").parent.tolist())
+    assert graft_chain(SMALL_4_TOKENS, small4, chain) == (tokens, parent)
+
+
+def _root_paths(tokens: list[int], parent: tuple[int, ...]) -> set[tuple[int, ...]]:
+    paths = {0: ()}
+    for n in range(1, len(parent)):
+        paths[n] = paths[parent[n]] + (tokens[n - 1],)
+    return set(paths.values())
+
+
+@pytest.mark.parametrize("name", ALL_TREES)
+def test_graft_chain_properties(name) -> None:
+    """Random trees and chains over a 3-token alphabet: the result is in BFS order, holds
+    the chain as a root path and every path of the tree, adds only the missing nodes, and
+    keeps the tree's top-1 spine as a prefix of the new one (the lookup branch ranks
+    last among its siblings)."""
+    from vllm_clover.tree_verify import spine
+
+    tree = get_tree(name)
+    parent = tuple(tree.parent.tolist())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        tokens = torch.randint(0, 3, (tree.num_nodes,), generator=g).tolist()
+        chain = torch.randint(0, 3, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+        new_tokens, new_parent = graft_chain(tokens, parent, chain)
+        buffers = buffers_from_parents(torch.tensor([new_parent]))  # raises unless parent[n] < n
+        depth = buffers.depth[0].tolist()
+        assert depth == sorted(depth)
+        before, after = _root_paths(tokens, parent), _root_paths(new_tokens, new_parent)
+        assert before | {tuple(chain[:i]) for i in range(len(chain) + 1)} == after
+        # A node per new path at least (more only below duplicate siblings, which real top-k
+        # children never are: the chain follows the first match), never more than the chain.
+        assert len(after - before) <= len(new_tokens) - len(tokens) <= len(chain)
+        old_spine = [tokens[n - 1] for n in spine(list(parent))]
+        assert [new_tokens[n - 1] for n in spine(list(new_parent))][: len(old_spine)] == old_spine
+
+
+def test_grafted_branch_is_accepted_by_greedy_verification() -> None:
+    """A target that follows the grafted chain accepts all of it (and its bonus)."""
+    small4 = tuple(get_tree("small_4").parent.tolist())
+    tokens, parent = graft_chain(SMALL_4_TOKENS, small4, [30, 31, 32])
+    n1 = len(parent)
+    argmax = torch.zeros(1, n1, dtype=torch.long)
+    walk = {0: 30}
+    for n in range(1, n1):  # at each node of the chain the target predicts the next chain token
+        if tokens[n - 1] in (30, 31):
+            walk[n] = tokens[n - 1] + 1
+    for n, t in walk.items():
+        argmax[0, n] = t
+    argmax[0, [n for n in range(1, n1) if tokens[n - 1] == 32]] = 99
+    result = greedy_accept(torch.tensor([[0, *tokens]]), argmax, buffers_from_parents(torch.tensor([parent])))
+    assert result.num_accepted.tolist() == [3] and result.bonus.tolist() == [99]

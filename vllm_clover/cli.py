@@ -47,15 +47,21 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 
 
 # Clover settings `vllm-clover serve` uses with the shipped heads on the default model
-# (chosen by `vllm-clover bench`, README "Results": K and the draft vocabulary that ran fastest).
-SHIPPED_SERVE_OPTIONS = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
+# (chosen by `vllm-clover bench`, README "Results"). CPU: Clover's chain of 2 as a tree with 5
+# prompt-lookup tokens grafted in (8 verify tokens at batch 1, nearly free there), the 4,096-
+# token draft vocabulary, no drafts from 3 running requests: the fastest at batch 1.
+SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
+                         "disable_by_batch_size": 3}
+# GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
+SHIPPED_SERVE_OPTIONS_GPU = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
 SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",
               "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
 
 
 def default_clover_config(heads: Path) -> str:
-    """The ``--speculative-config`` JSON for the shipped heads in ``heads``."""
-    return json.dumps({"method": "clover", "model": str(heads), **SHIPPED_SERVE_OPTIONS})
+    """The ``--speculative-config`` JSON for the shipped heads in ``heads`` on this platform."""
+    options = SHIPPED_SERVE_OPTIONS if cpu_env.is_cpu_platform() else SHIPPED_SERVE_OPTIONS_GPU
+    return json.dumps({"method": "clover", "model": str(heads), **options})
 
 
 def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover: bool = True) -> list[str]:

@@ -155,11 +155,12 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     lookup = prompt_lookup_options(spec, tree)
     options.update(lookup)
     extra = lookup["prompt_lookup_tokens"]  # grafted nodes on top of the tree's own
+    plus = " + prompt_lookup_tokens" if extra else ""
     if tree == DYNAMIC:
         # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
         if k is not None and k != nodes + extra:
-            raise CloverSpecError(f"with tree 'dynamic', num_speculative_tokens is dynamic_tree_nodes "
-                                  f"+ prompt_lookup_tokens ({nodes + extra}); leave it out (got {k!r})")
+            raise CloverSpecError(f"with tree 'dynamic', num_speculative_tokens is dynamic_tree_nodes"
+                                  f"{plus} ({nodes + extra}); leave it out (got {k!r})")
         k = nodes + extra
         options.update(tree=DYNAMIC, tree_name=DYNAMIC, tree_depth=config.num_heads, dynamic_tree_nodes=nodes)
     elif tree is not None:
@@ -167,8 +168,8 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
         # tree that is the node count N (drafts are the BFS-ordered nodes), not the head count.
         if k is not None and k != tree.num_nodes + extra:
             raise CloverSpecError(
-                f"with tree {tree.name!r}, num_speculative_tokens is its node count "
-                f"+ prompt_lookup_tokens ({tree.num_nodes + extra}); leave it out (got {k!r})")
+                f"with tree {tree.name!r}, num_speculative_tokens is its node count{plus} "
+                f"({tree.num_nodes + extra}); leave it out (got {k!r})")
         k = tree.num_nodes + extra
         options.update(tree=[list(p) for p in tree.paths], tree_name=tree.name, tree_depth=tree.max_depth)
     if tree is not None:

@@ -101,6 +101,8 @@ class CloverProposer(MedusaProposer):
         # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
         # None = off; else a list of (req_id, committed token ids, draft token ids).
         self.records: list[tuple[str, list[int], list[int]]] | None = None
+        # With records on, tree steps also log (req_id, committed ids, node tokens, parents).
+        self.tree_records: list[tuple[str, list[int], list[int], tuple[int, ...]]] = []
         # Tree mode (tree_verify.py): the configured tree, and per request the tokens and
         # parent pointers of the tree drafted last, read when its drafts come back scheduled.
         paths = self.options.get("tree")
@@ -299,12 +301,15 @@ class CloverProposer(MedusaProposer):
             state = runner.requests.get(req_id)
             reason = chain_only_reason(getattr(state, "sampling_params", None))
             if reason is None:
+                # The committed tokens, the root (just sampled) last; a numpy view.
+                committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
                 if lookup:
-                    committed = batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])]
                     chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
                                                 self.options["prompt_lookup_max"], lookup)
                     tokens, parent = graft_chain(tokens, parent, chain.tolist())
                 table[req_id] = (tokens, parent)
+                if self.records is not None:
+                    self.tree_records.append((req_id, committed.tolist(), tokens, parent))
                 out.append(tokens)
             else:
                 logger.debug("vllm-clover: request %s drafts a chain (tree verification cannot do %s)",

@@ -283,7 +283,8 @@ class CloverWorkerExtension:
 
     def clover_record_drafts(self, enable: bool = True) -> bool:
         """Start (clearing the log) or stop logging every drafting step."""
-        self._clover_drafter().records = [] if enable else None
+        drafter = self._clover_drafter()
+        drafter.records, drafter.tree_records = ([] if enable else None), []
         return enable
 
     def clover_take_drafts(self) -> list[tuple[str, list[int], list[int]]]:
@@ -293,6 +294,14 @@ class CloverWorkerExtension:
         records = drafter.records or []
         if drafter.records is not None:
             drafter.records = []
+        return records
+
+    def clover_take_tree_drafts(self) -> list[tuple[str, list[int], list[int], tuple[int, ...]]]:
+        """Return and clear the tree log (while drafts are recorded): (request id,
+        committed token ids, node tokens in BFS order, parent pointers) per tree request
+        and step, prompt-lookup branches included."""
+        drafter = self._clover_drafter()
+        records, drafter.tree_records = drafter.tree_records, []
         return records
 
     def clover_timing(self, reset: bool = True) -> dict[str, float]:
