@@ -518,7 +518,8 @@ def graft_chain(tokens: Sequence[int], parent: Sequence[int],
     tokens [N]: draft tokens of nodes 1..N; parent [N+1]: BFS parent pointers (root -1).
     The chain follows existing nodes while their tokens match (no duplicate siblings: a
     repeated sibling could never be accepted) and adds new nodes for the rest, each as
-    the last-ranked child of its parent, so the tree's own top-1 spine is unchanged.
+    the last-ranked child of its parent, so the tree's own top-1 spine stays the start of
+    the merged tree's spine (which grows only where the chain extends a spine leaf).
     Returns (tokens, parent) of the merged tree, relabelled in BFS order (its prefixes
     stay ancestor-closed for vLLM's scheduler). Pure; O(N * len(chain)).
     """
