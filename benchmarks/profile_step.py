@@ -8,7 +8,7 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that t
 the runner's methods: target forward (``GPUModelRunner.execute_model``), sampling + drafting
 (``sample_tokens``), the Clover proposer, CPU attention (native kernel + tree rows), the tree
 rows alone, the tree sampler and the tree plan. Prompts are answered one at a time (batch 1,
-greedy) after one warm-up request. Prints ms per engine step for each timer. Numbers vary
+greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request. Prints ms per engine step for each timer. Numbers vary
 10-20% between runs on a shared 2-core machine: compare configurations run back to back.
 """
 
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", default="", help="speculative_config JSON (empty: vanilla)")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="requests per generate call (the prompts repeated; 1 = one at a time)")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
     from vllm import LLM, SamplingParams
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = json.loads(args.spec) if args.spec else None
     llm = LLM(model=str(ensure_default_model()), dtype=args.dtype, kv_cache_memory_bytes=2 << 30,
-              max_num_seqs=4, speculative_config=spec)
+              max_num_seqs=max(4, args.batch_size), speculative_config=spec)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     install_timers(totals, calls)
@@ -87,10 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     t0, tokens = time.perf_counter(), 0
     for prompt in prompts:
-        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        outs = llm.generate([prompt] * args.batch_size, params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = max(1, calls["sample + draft"])
-    print(f"spec {spec}: {tokens} tokens, {tokens / wall:.1f} tok/s, {steps} steps, "
+    print(f"spec {spec}, batch {args.batch_size}: {tokens} tokens, {tokens / wall:.1f} tok/s, {steps} steps, "
           f"{tokens / steps:.2f} tokens/step")
     for key in totals:
         print(f"  {key:<16} {totals[key] / steps * 1e3:8.2f} ms/step  ({calls[key]} calls)")
