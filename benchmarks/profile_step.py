@@ -8,8 +8,9 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that t
 the runner's methods: target forward (``GPUModelRunner.execute_model``), sampling + drafting
 (``sample_tokens``), the Clover proposer, CPU attention (native kernel + tree rows), the tree
 rows alone, the tree sampler and the tree plan. Prompts are answered one at a time (batch 1,
-greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request. Prints ms per engine step for each timer. Numbers vary
-10-20% between runs on a shared 2-core machine: compare configurations run back to back.
+greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request.
+Prints ms per engine step for each timer. Numbers vary 10-20% between runs on a shared
+2-core machine: compare configurations run back to back.
 """
 
 from __future__ import annotations

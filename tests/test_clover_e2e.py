@@ -504,6 +504,7 @@ def test_prompt_lookup_branch_in_every_tree(results: dict) -> None:
     path from the root, next to Clover's own nodes; the repeated passages make many."""
     import numpy as np
 
+    from vllm_clover.frontend import DEFAULT_OPTIONS
     from vllm_clover.lookup import lookup_continuation
 
     options = MODES[results["mode"]]
@@ -511,7 +512,8 @@ def test_prompt_lookup_branch_in_every_tree(results: dict) -> None:
         pytest.skip("this mode runs without prompt lookup")
     grafted = 0
     for _, committed, tokens, parent in results["clover"]["tree_records"]:
-        chain = lookup_continuation(np.array(committed), 2, 4, options["prompt_lookup_tokens"]).tolist()
+        chain = lookup_continuation(np.array(committed), DEFAULT_OPTIONS["prompt_lookup_min"],
+                                    DEFAULT_OPTIONS["prompt_lookup_max"], options["prompt_lookup_tokens"]).tolist()
         paths = {0: ()}
         for n in range(1, len(parent)):
             paths[n] = paths[parent[n]] + (tokens[n - 1],)

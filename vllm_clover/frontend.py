@@ -244,14 +244,12 @@ def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
 
     Lookup candidates are grafted into the tree (lookup.py), so they need tree
     verification: without a tree the option is an error naming the fix."""
-    out = {key: DEFAULT_OPTIONS[key] for key in ("prompt_lookup_tokens", "prompt_lookup_min", "prompt_lookup_max")}
-    for key in out:
-        if key in spec:
-            value = spec.pop(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "prompt_lookup_tokens" else 1):
-                raise CloverSpecError(f"{key} must be an integer >= "
-                                      f"{0 if key == 'prompt_lookup_tokens' else 1}, got {value!r}")
-            out[key] = value
+    tokens = spec.pop("prompt_lookup_tokens", DEFAULT_OPTIONS["prompt_lookup_tokens"])
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise CloverSpecError(f"prompt_lookup_tokens must be an integer >= 0, got {tokens!r}")
+    out = {"prompt_lookup_tokens": tokens}
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        out[key] = positive_int(spec.pop(key, DEFAULT_OPTIONS[key]), key)
     if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
         raise CloverSpecError(f"prompt_lookup_min ({out['prompt_lookup_min']}) is larger than "
                               f"prompt_lookup_max ({out['prompt_lookup_max']})")

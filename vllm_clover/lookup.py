@@ -2,9 +2,9 @@
 
 Why: a small model's answers repeat their prompt and themselves (on MT-Bench with
 SmolLM2-135M vLLM's ngram drafter finds a match on about a quarter of the steps and then
-accepts 2.2 drafts), while the heads guess at every step, where nothing repeats too. Both kinds of candidates are chosen
-without the target, so one tree can hold both and the target verifies them in the same
-pass, with the same lossless acceptance rule (one-hot drafts). The continuation below is
+accepts 2.2 drafts), while the heads guess at every step, where nothing repeats too. Both
+kinds of candidates are chosen without the target, so one tree can hold both and the
+target verifies them in the same pass, with the same lossless acceptance rule (one-hot drafts). The continuation below is
 the one vLLM's ``NgramProposer`` drafts (same n-gram rule, tested against its function), so
 a user gets "ngram and Clover at once" for the cost of a few more verified tokens, which is
 nearly free while the target streams its weights (batch 1 on CPU; small batches on GPU).

@@ -301,8 +301,9 @@ class CloverProposer(MedusaProposer):
             state = runner.requests.get(req_id)
             reason = chain_only_reason(getattr(state, "sampling_params", None))
             if reason is None:
-                # The committed tokens, the root (just sampled) last; a numpy view.
-                committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
+                if lookup or self.records is not None:
+                    # The committed tokens, the root (just sampled) last; a numpy view.
+                    committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
                 if lookup:
                     chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
                                                 self.options["prompt_lookup_max"], lookup)

@@ -523,10 +523,10 @@ def graft_chain(tokens: Sequence[int], parent: Sequence[int],
     Returns (tokens, parent) of the merged tree, relabelled in BFS order (its prefixes
     stay ancestor-closed for vLLM's scheduler). Pure; O(N * len(chain)).
     """
-    toks = [None, *tokens]
+    toks, par = [None, *tokens], list(parent)
     children: list[list[int]] = [[] for _ in toks]
     for n in range(1, len(toks)):
-        children[parent[n]].append(n)
+        children[par[n]].append(n)
     node = 0
     for t in chain:
         t = int(t)
@@ -534,6 +534,7 @@ def graft_chain(tokens: Sequence[int], parent: Sequence[int],
         if match is None:
             match = len(toks)
             toks.append(t)
+            par.append(node)
             children.append([])
             children[node].append(match)
         node = match
@@ -543,11 +544,7 @@ def graft_chain(tokens: Sequence[int], parent: Sequence[int],
         order.append(n)
         queue.extend(children[n])
     new_index = {old: i for i, old in enumerate(order)}
-    old_parent = [-1] * len(toks)
-    for p, kids in enumerate(children):
-        for c in kids:
-            old_parent[c] = p
-    merged_parent = tuple([-1] + [new_index[old_parent[old]] for old in order[1:]])
+    merged_parent = tuple([-1] + [new_index[par[old]] for old in order[1:]])
     return [toks[old] for old in order[1:]], merged_parent
 
 
