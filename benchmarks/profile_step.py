@@ -56,7 +56,7 @@ def install_timers(totals: dict[str, float], calls: collections.Counter) -> None
                              (CloverProposer, "propose_clover", "clover proposer"),
                              (CPUAttentionBackendImpl, "forward", "attention"),
                              (tree_verify, "tree_attention_rows", "tree rows"),
-                             (tree_verify.TreeRejectionSampler, "forward", "tree sampler"),
+                             (tree_verify.CloverRejectionSampler, "forward", "tree sampler"),
                              (tree_verify, "plan_tree_step", "tree plan")):
         add_timer(totals, calls, owner, attr, key)
 

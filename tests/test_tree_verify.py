@@ -1,6 +1,6 @@
 """Unit tests of tree verification inside vLLM (vllm_clover/tree_verify.py) with vLLM's own
 pieces but no engine: the CPU KV layout our views read, tree-masked attention over it,
-the TreeRejectionSampler around vLLM's RejectionSampler (greedy, sampling, mixed batches,
+the CloverRejectionSampler around vLLM's RejectionSampler (greedy, sampling, mixed batches,
 KV compaction), the trunk's view of a tree step, tree selection and the tree option.
 End-to-end runs are in tests/test_tree_e2e.py."""
 
@@ -190,7 +190,7 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
     """Request 0 verifies TREE, request 1 a 2-token chain (vLLM's own rules), request 2 has
     no drafts. The tree row equals greedy_accept; the chain row equals vLLM's sampler on
     the chain alone; the accepted nodes' KV moved to the contiguous slots."""
-    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+    from vllm_clover.tree_verify import CloverRejectionSampler, set_active_step
 
     torch.manual_seed(1)
     vocab = 50
@@ -206,7 +206,7 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
     before_k, before_v = cache.rows([10 + 2, 10 + 6])
     set_active_step(step)
     try:
-        sampler = TreeRejectionSampler(vllm_sampler, cache.layers)
+        sampler = CloverRejectionSampler(vllm_sampler, cache.layers)
         out = sampler(_runner_metadata([tree_tokens, [5, 9], []]), None, logits.clone(),
                       _sampling_metadata([0.0, 0.0, 0.0]))
     finally:
@@ -225,7 +225,7 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
 def test_truncated_tree_prefix(vllm_sampler) -> None:
     """The scheduler may send back only a BFS prefix of the drafts; the plan and the
     sampler then verify that prefix (still a tree, ancestor-closed)."""
-    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+    from vllm_clover.tree_verify import CloverRejectionSampler, set_active_step
 
     n1 = 5  # nodes 0..4: root, three depth-1 children, (0, 0)
     logits = torch.randn(n1, 20)
@@ -233,7 +233,7 @@ def test_truncated_tree_prefix(vllm_sampler) -> None:
     step = TreeStep(num_tokens=n1, requests=[_tree_step(0, 0, 4, n1)])
     set_active_step(step)
     try:
-        out = TreeRejectionSampler(vllm_sampler, _Cache().layers)(
+        out = CloverRejectionSampler(vllm_sampler, _Cache().layers)(
             _runner_metadata([[3, 5, 6, 7]]), None, logits, _sampling_metadata([0.0]))
     finally:
         set_active_step(None)
@@ -246,7 +246,7 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
     each follows softmax(logits / 0.7) at the root (TV < 0.03 over 6000 requests; sampling noise
     alone gives about 0.011), although
     the drafts are the target's top-3 (drafts alone would be far off)."""
-    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+    from vllm_clover.tree_verify import CloverRejectionSampler, set_active_step
 
     torch.manual_seed(2)
     vocab, b, temp = 8, 6000, 0.7
@@ -265,7 +265,7 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
                     requests=[_tree_step(i, i * n1, 100, n1, small) for i in range(b)])
     set_active_step(step)
     try:
-        out = TreeRejectionSampler(vllm_sampler, _Cache(slots=256).layers)(
+        out = CloverRejectionSampler(vllm_sampler, _Cache(slots=256).layers)(
             _runner_metadata(drafts), None, logits, _sampling_metadata([temp] * b + [0.0]))
     finally:
         set_active_step(None)
@@ -285,7 +285,7 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
 def test_logprobs_of_a_chain_request_next_to_a_tree(vllm_sampler) -> None:
     """A logprobs request (always a chain) in a tree step gets the logprobs vLLM's sampler
     computes for it alone."""
-    from vllm_clover.tree_verify import TreeRejectionSampler, set_active_step
+    from vllm_clover.tree_verify import CloverRejectionSampler, set_active_step
 
     torch.manual_seed(3)
     n1 = TREE.num_nodes + 1
@@ -294,7 +294,7 @@ def test_logprobs_of_a_chain_request_next_to_a_tree(vllm_sampler) -> None:
     step = TreeStep(num_tokens=n1 + 3, requests=[_tree_step(0, 0, 0, n1)])
     set_active_step(step)
     try:
-        out = TreeRejectionSampler(vllm_sampler, _Cache().layers)(
+        out = CloverRejectionSampler(vllm_sampler, _Cache().layers)(
             _runner_metadata([list(range(1, n1)), [4, 5]]), None, logits.clone(),
             _sampling_metadata([0.0, 0.0], logprobs=2))
     finally:
@@ -308,6 +308,45 @@ def test_logprobs_of_a_chain_request_next_to_a_tree(vllm_sampler) -> None:
     assert torch.equal(got.logprob_token_ids[sel][:2], a.logprob_token_ids[:2])
     torch.testing.assert_close(got.logprobs[sel][:2], a.logprobs[:2])
     assert accepted_tree >= 1
+
+
+def test_step_without_drafts_takes_the_plain_sampler(vllm_sampler) -> None:
+    """No request drafted (drafting off at this batch size): the sampler vLLM runs without
+    speculation gives the same tokens and logprobs as vLLM's rejection sampler, greedy and
+    seeded-sampled rows alike, and the rejection sampler is not called."""
+    from vllm_clover.tree_verify import CloverRejectionSampler
+
+    torch.manual_seed(4)
+    b, vocab = 5, 40
+    logits = torch.randn(b, vocab)
+    temps = [0.0, 0.8, 0.0, 1.2, 0.5]
+
+    def metadata():
+        gens = {i: torch.Generator().manual_seed(10 + i) for i in (1, 3, 4)}
+        return _sampling_metadata(temps, generators=gens, logprobs=3)
+
+    ref = vllm_sampler(_runner_metadata([[]] * b), None, logits.clone(), metadata())
+
+    class Spy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sampler, self.calls = vllm_sampler.sampler, 0
+
+        def forward(self, *args):
+            self.calls += 1
+            return vllm_sampler(*args)
+
+    spy = Spy()
+    out = CloverRejectionSampler(spy, _Cache().layers)(_runner_metadata([[]] * b), None, logits.clone(), metadata())
+    assert spy.calls == 0
+    assert torch.equal(out.sampled_token_ids, ref.sampled_token_ids)
+    assert torch.equal(out.logprobs_tensors.logprob_token_ids, ref.logprobs_tensors.logprob_token_ids)
+    torch.testing.assert_close(out.logprobs_tensors.logprobs, ref.logprobs_tensors.logprobs)
+    # A step with drafts still goes to the rejection sampler.
+    logits2 = torch.randn(b + 2, vocab)
+    CloverRejectionSampler(spy, _Cache().layers)(_runner_metadata([[3, 4]] + [[]] * (b - 1)), None,
+                                                 logits2, _sampling_metadata([0.0] * b))
+    assert spy.calls == 1
 
 
 # ============================================================================ trunk, trees, options

@@ -29,7 +29,8 @@ Tree verification (Clover engines with the ``tree`` option; vllm_clover/tree_ver
   get RoPE positions ``root + depth`` and the step's tree plan is published;
 * the attention backends' ``forward`` (CPU_ATTN, FlashAttention): while a plan is active,
   the rows of tree requests are recomputed with their ancestor mask;
-* ``runner.rejection_sampler`` (an attribute, set in ``__init__``): ``TreeRejectionSampler``.
+* ``runner.rejection_sampler`` (an attribute, set in ``__init__`` of every Clover engine):
+  ``CloverRejectionSampler`` (also: vLLM's plain sampler on steps where nothing was drafted).
 
 Plus one CPU kernel fix (process-wide, every engine): vLLM 0.32's C++ fallback for the
 rejection sampler's ``expand_kernel`` casts its *output* to int64 and never copies the
@@ -58,11 +59,10 @@ def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
 
             self.drafter = CloverProposer(vllm_config, device)
             self.use_aux_hidden_state_outputs = True
-            if self.drafter.tree is not None:
-                from vllm_clover.tree_verify import TreeRejectionSampler
+            from vllm_clover.tree_verify import CloverRejectionSampler
 
-                self.rejection_sampler = TreeRejectionSampler(
-                    self.rejection_sampler, functools.partial(target_kv_layers, vllm_config))
+            self.rejection_sampler = CloverRejectionSampler(
+                self.rejection_sampler, functools.partial(target_kv_layers, vllm_config))
 
     setattr(__init__, _MARK, True)
     return __init__
