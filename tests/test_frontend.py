@@ -446,3 +446,29 @@ def test_bad_prompt_lookup_options_are_one_line_errors(default_model_dir, clover
     with pytest.raises(CloverSpecError) as excinfo:
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir), **extra})
     _one_line_error(excinfo, *needles)
+
+
+def test_datastore_option_paths_and_errors(default_model_dir, ckpt_copy, tmp_path) -> None:
+    """``datastore``: relative to the checkpoint directory, or absolute; it must load, fit
+    the target's vocabulary and come with prompt-lookup slots; each failure is one line."""
+    from vllm_clover.datastore import build_datastore, save_datastore
+
+    save_datastore(build_datastore([[1, 2, 3, 1, 2, 3]], vocab_size=49152, min_count=1), ckpt_copy / "ds.npz")
+    base = {"method": "clover", "model": str(ckpt_copy), "tree": "chain2", "prompt_lookup_tokens": 3}
+    _, config = _engine_config(default_model_dir, {**base, "datastore": "ds.npz"})
+    assert config.additional_config["clover"]["datastore"] == str((ckpt_copy / "ds.npz").resolve())
+    assert config.speculative_config.num_speculative_tokens == 2 + 3  # the lookup's slots, no more
+    _, config = _engine_config(default_model_dir, {**base, "datastore": str(ckpt_copy / "ds.npz")})
+    assert config.additional_config["clover"]["datastore"] == str((ckpt_copy / "ds.npz").resolve())
+    _, config = _engine_config(default_model_dir, base)
+    assert config.additional_config["clover"]["datastore"] == ""
+    save_datastore(build_datastore([[1, 2]], vocab_size=100, min_count=1), tmp_path / "small.npz")
+    for extra, needles in [
+        ({"datastore": "nope.npz"}, ("clover option datastore", "nope.npz", "does not exist")),
+        ({"datastore": str(tmp_path / "small.npz")}, ("100-token vocabulary", "49152")),
+        ({"datastore": 3}, ("datastore must be a path",)),
+        ({"datastore": "ds.npz", "prompt_lookup_tokens": 0}, ("prompt_lookup_tokens",)),
+    ]:
+        with pytest.raises(CloverSpecError) as excinfo:
+            _engine_config(default_model_dir, {**base, **extra})
+        _one_line_error(excinfo, *needles)

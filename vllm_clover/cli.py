@@ -12,6 +12,8 @@ Subcommands:
   eval            held-out per-head accuracy and acceptance length of trained heads
                   (Clover, Medusa or EAGLE checkpoints)
   convert         convert an official Clover-2 checkpoint into this plugin's format
+  build-datastore build the n-gram datastore of retrieval drafts for a target's tokenizer
+                  (the ``datastore`` option; vllm_clover/datastore.py)
   bench           side-by-side benchmark of vanilla / ngram / medusa / eagle / clover
                   (``vllm-clover bench --help``; code in benchmarks/bench.py)
 """
@@ -170,6 +172,40 @@ def _cmd_convert(args: argparse.Namespace, extra: list[str]) -> None:
           f"{config.num_layers} Augmenting layers, hidden {config.hidden_size}")
 
 
+def _cmd_build_datastore(args: argparse.Namespace, extra: list[str]) -> None:
+    import time
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllm_clover.datastore import build_datastore, corpus_answers, save_datastore
+    from vllm_clover.default_model import ensure_default_model
+
+    target = args.target or str(ensure_default_model())
+    t0 = time.perf_counter()
+    vocab_size = AutoConfig.from_pretrained(target).get_text_config().vocab_size
+    ids, source = corpus_answers(AutoTokenizer.from_pretrained(target), args.num_conversations)
+    store = build_datastore(ids, vocab_size, args.max_order, args.min_count, source)
+    save_datastore(store, args.out)
+    sizes = ", ".join(f"{k.size} {n}-grams" for n, k in enumerate(store.keys, 1))
+    print(f"[vllm-clover] wrote {args.out} from {source}: {sizes} "
+          f"({Path(args.out).stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t0:.0f} s)")
+
+
+def _add_datastore_parser(sub) -> None:
+    p = sub.add_parser("build-datastore", help="n-gram datastore of retrieval drafts (datastore option)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="output .npz (datastore.npz in a Clover checkpoint "
+                   "directory is found by the relative option value datastore=datastore.npz)")
+    p.add_argument("--target", default=None, help="target model directory (its tokenizer and "
+                   "vocabulary; default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--num-conversations", type=int, default=None,
+                   help="first N conversations of the ShareGPT training split (default: all)")
+    p.add_argument("--max-order", type=int, default=4, help="longest context, in tokens")
+    p.add_argument("--min-count", type=int, default=5,
+                   help="keep a context when its most frequent next token followed it this often")
+    p.set_defaults(func=_cmd_build_datastore)
+
+
 def _add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train Clover heads or Medusa / EAGLE baselines (docs/training.md)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -273,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_eval_parser(sub)
     _add_convert_parser(sub)
+    _add_datastore_parser(sub)
 
     sub.add_parser("bench", help="side-by-side speculative-decoding benchmark (see --help)",
                    add_help=False)
@@ -311,7 +348,7 @@ def _is_user_error(exc: Exception) -> bool:
     """Expected failures of train/eval/convert: bad paths, configs, data, caches."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"TrainingError", "CloverCheckpointError", "CloverConfigError", "DataError",
-                         "FeatureCacheError", "BaselineError"})
+                         "FeatureCacheError", "BaselineError", "DatastoreError"})
 
 
 if __name__ == "__main__":

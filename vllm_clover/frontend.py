@@ -39,11 +39,13 @@ METHOD = "clover"
 # batched tree verification (tree_option(), tree_verify.py).
 # prompt_lookup_tokens (int, 0 = off), prompt_lookup_min / prompt_lookup_max (n-gram sizes):
 # up to that many tokens of vLLM's ngram continuation grafted into every tree (lookup.py).
+# datastore (path, "" = off; relative to the checkpoint directory): where the prompt lookup
+# finds nothing, an n-gram datastore's chain fills those slots (datastore.py).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 # (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
                                    "dynamic_tree_nodes": 25, "prompt_lookup_tokens": 0,
-                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "datastore": ""}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
 # step streams the weights), ~11 cost 10+ ms more, and from batch 4 chain K=2 already runs
@@ -154,6 +156,8 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     nodes = positive_int(spec.pop("dynamic_tree_nodes", DEFAULT_OPTIONS["dynamic_tree_nodes"]), "dynamic_tree_nodes")
     lookup = prompt_lookup_options(spec, tree)
     options.update(lookup)
+    options["datastore"] = datastore_option(spec.pop("datastore", ""), path, config.vocab_size,
+                                            lookup["prompt_lookup_tokens"])
     extra = lookup["prompt_lookup_tokens"]  # grafted nodes on top of the tree's own
     plus = " + prompt_lookup_tokens" if extra else ""
     if tree == DYNAMIC:
@@ -257,6 +261,28 @@ def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
         raise CloverSpecError("prompt_lookup_tokens grafts lookup candidates into a token tree and needs "
                               "the tree option (e.g. \"tree\": \"small_4\", or \"chain2\" for Clover's chain)")
     return out
+
+
+def datastore_option(value: Any, checkpoint: Path, vocab_size: int, lookup_tokens: int) -> str:
+    """The ``datastore`` option -> the absolute path of a readable datastore for this
+    vocabulary, or "" (off). A relative path is taken inside the checkpoint directory. Its
+    chain fills the prompt lookup's slots, so it needs ``prompt_lookup_tokens``."""
+    from vllm_clover.datastore import DatastoreError, load_datastore
+
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise CloverSpecError(f"datastore must be a path to a datastore .npz, got {value!r}")
+    if not lookup_tokens:
+        raise CloverSpecError("datastore drafts fill the prompt-lookup slots of the tree: set "
+                              "prompt_lookup_tokens too (e.g. 5)")
+    path = Path(value).expanduser()
+    path = (path if path.is_absolute() else checkpoint / path).resolve()
+    try:
+        load_datastore(path, vocab_size)
+    except DatastoreError as exc:
+        raise CloverSpecError(f"clover option datastore: {exc}") from None
+    return str(path)
 
 
 def warn_tree_over_budget(tree: Any, dynamic_nodes: int, budget: int, lookup_tokens: int = 0) -> None:

@@ -31,6 +31,7 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
+from vllm_clover.datastore import NgramDatastore, load_datastore
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
 from vllm_clover.lookup import lookup_continuation
@@ -110,6 +111,8 @@ class CloverProposer(MedusaProposer):
             DYNAMIC if paths == DYNAMIC else StaticTree(paths, self.options.get("tree_name", "custom"))
             if paths else None)
         self.tree_drafts: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        # Retrieval drafts where the prompt lookup finds nothing (datastore.py), or None.
+        self.datastore: NgramDatastore | None = None
 
     # ------------------------------------------------------------------ loading
     def load_model(self, target_model: nn.Module) -> None:
@@ -152,6 +155,8 @@ class CloverProposer(MedusaProposer):
                 module.clover_trunk = True  # tree_verify's attention hook leaves these alone
         if self.tree is not None:
             self._check_tree_support(target_model)
+        if self.options.get("datastore"):
+            self.datastore = load_datastore(self.options["datastore"], cfg.vocab_size)
 
     def _check_tree_support(self, target_model: nn.Module) -> None:
         """Refuse at start-up what tree verification cannot do right: an attention backend
@@ -307,6 +312,8 @@ class CloverProposer(MedusaProposer):
                 if lookup:
                     chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
                                                 self.options["prompt_lookup_max"], lookup)
+                    if not chain.size and self.datastore is not None:
+                        chain = self.datastore.continuation(committed, lookup)
                     tokens, parent = graft_chain(tokens, parent, chain.tolist())
                 table[req_id] = (tokens, parent)
                 if self.records is not None:
