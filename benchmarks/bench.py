@@ -68,6 +68,16 @@ class MethodSpec:
     options: tuple[tuple[str, object], ...] = ()
 
 
+def _option_value(text: str) -> int | float | str:
+    """``5`` -> 5, ``0.2`` -> 0.2, anything else stays a string (tree names, paths)."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_method(text: str) -> MethodSpec:
     """``NAME[:PATH][@K][?KEY=VALUE&...]`` -> MethodSpec; a clear error for anything else."""
     text_body, _, query = text.partition("?")
@@ -76,7 +86,7 @@ def parse_method(text: str) -> MethodSpec:
         key, eq, value = item.partition("=")
         if not key or not eq:
             raise ValueError(f"bad option {item!r} in {text!r}; expected KEY=VALUE")
-        options.append((key, int(value) if value.lstrip("-").isdigit() else value))
+        options.append((key, _option_value(value)))
     body, _, k = text_body.partition("@")
     name, _, path = body.partition(":")
     if name not in METHODS:
@@ -167,6 +177,8 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     prompts = render_prompts(records, llm.get_tokenizer())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
+    spec_config = llm.llm_engine.vllm_config.speculative_config
+    k = None if spec_config is None else spec_config.num_speculative_tokens  # a tree's: its nodes
     rows = []
     for b in batch_sizes:
         if clover:
@@ -184,6 +196,7 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
         per_pos = [a - b_ for a, b_ in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
         draft_s = llm.collective_rpc("clover_timing")[0]["draft_s"] if clover else None
         rows.append({"method": spec.label, "batch_size": b, "tokens_per_s": tokens / elapsed,
+                     "num_speculative_tokens": k,
                      "tokens": tokens, "seconds": elapsed, "draft_seconds": draft_s,
                      "draft_cost_vs_target_step": draft_s / (elapsed - draft_s) if clover else None,
                      "mean_acceptance_length": tokens_per_decode_step(tokens, requests, accepted),
@@ -221,7 +234,9 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
                     / len(mine) for i in range(npos)],
                 "draft_cost_vs_target_step": (None if mine[0].get("draft_cost_vs_target_step") is None else
                                               sum(r["draft_cost_vs_target_step"] for r in mine) / len(mine)),
-                "num_speculative_tokens": None if spec.name == "vanilla" else (spec.k or default_k),
+                # The engine's K (runs record it; a tree's is its node count + lookup tokens).
+                "num_speculative_tokens": mine[0].get("num_speculative_tokens",
+                                                      None if spec.name == "vanilla" else (spec.k or default_k)),
                 "checkpoint": spec.path,
             })
     for r in results:
@@ -391,7 +406,7 @@ def conditions_dict(args: argparse.Namespace) -> dict:
             "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "prompt_set": args.prompts, "num_prompts": args.num_prompts, "repeats": args.repeats,
             "enforce_eager": args.enforce_eager,
-            "machine": f"{platform.machine()} {_cpu_model()}", "cpus": os.cpu_count(),
+            "machine": f"{platform.machine()} {_cpu_model()}{_cpu_vector_isa()}", "cpus": os.cpu_count(),
             "vllm": vllm.__version__, "date": _dt.date.today().isoformat()}
 
 
@@ -403,6 +418,17 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def _cpu_vector_isa() -> str:
+    """The CPU's widest vector ISA for the machine string, ' (AVX-512)' or ' (AVX2)':
+    speculative ratios on a CPU depend on it (README "Results")."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    return " (AVX-512)" if "avx512f" in flags else " (AVX2)" if "avx2" in flags else ""
 
 
 if __name__ == "__main__":

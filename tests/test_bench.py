@@ -18,6 +18,8 @@ def test_parse_method_forms() -> None:
     assert spec.options == (("draft_vocab_size", 4096), ("draft_sampling", "greedy"))
     assert bench.speculative_config(spec, 2) == {"method": "clover", "model": "/h/x", "num_speculative_tokens": 4,
                                                  "draft_vocab_size": 4096, "draft_sampling": "greedy"}
+    spec = bench.parse_method("clover:/h?tree=chain2&datastore_min_confidence=0.25&datastore=ds.npz")
+    assert spec.options == (("tree", "chain2"), ("datastore_min_confidence", 0.25), ("datastore", "ds.npz"))
 
 
 @pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("clover", "needs a checkpoint"),

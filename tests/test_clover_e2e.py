@@ -523,7 +523,7 @@ def test_prompt_lookup_branch_in_every_tree(results: dict) -> None:
                                     DEFAULT_OPTIONS["prompt_lookup_max"], k).tolist()
         grafted += bool(chain)
         if not chain:
-            chain = store.continuation(np.array(committed), k).tolist()
+            chain = store.continuation(np.array(committed), k, DEFAULT_OPTIONS["datastore_min_confidence"]).tolist()
             retrieved += bool(chain)
         paths = {0: ()}
         for n in range(1, len(parent)):

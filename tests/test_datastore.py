@@ -16,8 +16,9 @@ from vllm_clover.datastore import (DatastoreError, build_datastore, key_bits, lo
 SHIPPED = Path(__file__).resolve().parents[1] / "vllm_clover/heads/smollm2-135m-instruct-clover2/datastore.npz"
 
 
-def _reference_followers(sequences: list[list[int]], n: int, min_count: int) -> dict[tuple, int]:
-    """Brute force: context tuple -> most frequent next token (ties: smaller id)."""
+def _reference_followers(sequences: list[list[int]], n: int, min_count: int) -> dict[tuple, tuple[int, int]]:
+    """Brute force: context tuple -> (most frequent next token (ties: smaller id), its share
+    of the context's occurrences x 255, rounded down)."""
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for s in sequences:
         for i in range(n, len(s)):
@@ -26,7 +27,7 @@ def _reference_followers(sequences: list[list[int]], n: int, min_count: int) -> 
     for ctx, c in counts.items():
         best = min(c, key=lambda t: (-c[t], t))
         if c[best] >= min_count:
-            out[ctx] = best
+            out[ctx] = best, 255 * c[best] // sum(c.values())
     return out
 
 
@@ -37,13 +38,15 @@ def test_table_equals_brute_force_counting() -> None:
     for n in (1, 2, 3):
         ref = _reference_followers(seqs, n, 2)
         assert store.keys[n - 1].size == len(ref) > 0
-        for ctx, nxt in ref.items():  # an n-token context is looked up at order n
+        for ctx, (nxt, share) in ref.items():  # an n-token context is looked up at order n
             assert store.continuation(np.array(ctx), 1).tolist() == [nxt]
+            assert store.continuation(np.array(ctx), 1, min_confidence=(share + 1) / 255).tolist() == []
         # Every key decodes to a context of the reference, with its follower.
         mask = (1 << store.bits) - 1
-        for key, nxt in zip(store.keys[n - 1].tolist(), store.next_tokens[n - 1].tolist()):
+        for key, nxt, share in zip(store.keys[n - 1].tolist(), store.next_tokens[n - 1].tolist(),
+                                   store.confidence[n - 1].tolist()):
             ctx = tuple((key >> (store.bits * (n - 1 - j))) & mask for j in range(n))
-            assert ref[ctx] == nxt
+            assert ref[ctx] == (nxt, share)
 
 
 def test_continuation_backs_off_and_never_crosses_sequences() -> None:
@@ -57,6 +60,11 @@ def test_continuation_backs_off_and_never_crosses_sequences() -> None:
     # Greedy chain: 1 2 -> 3, then 1 2 3 -> 4, then nothing follows 4.
     assert store.continuation(np.array([1, 2]), 5).tolist() == [3, 4]
     assert store.continuation(np.array([1, 2]), 0).tolist() == []
+    # "2 3" was followed by 9 in 3 of its 5 occurrences: confidence 0.6.
+    assert store.continuation(np.array([6, 2, 3]), 1, min_confidence=0.6).tolist() == [9]
+    assert store.continuation(np.array([6, 2, 3]), 1, min_confidence=0.61).tolist() == []
+    # The chain stops at the first uncertain token: 1 2 -> 3 (certain), 1 2 3 -> 4 (certain).
+    assert store.continuation(np.array([1, 2]), 5, min_confidence=1.0).tolist() == [3, 4]
     # Ids outside the vocabulary (special tokens) are skipped by back-off, not an error.
     assert store.continuation(np.array([2, 3, 10 ** 6]), 2).tolist() == []
 
@@ -67,7 +75,7 @@ def test_save_load_round_trip_and_errors(tmp_path: Path) -> None:
     save_datastore(store, path)
     back = load_datastore(path, vocab_size=8)
     assert back.source == "toy" and back.bits == store.bits and back.max_order == 2
-    for a, b in zip(store.keys + store.next_tokens, back.keys + back.next_tokens):
+    for a, b in zip(store.keys + store.next_tokens + store.confidence, back.keys + back.next_tokens + back.confidence):
         assert np.array_equal(a, b)
     with pytest.raises(DatastoreError, match="8-token vocabulary, the target has 49152"):
         load_datastore(path, vocab_size=49152)

@@ -462,12 +462,17 @@ def test_datastore_option_paths_and_errors(default_model_dir, ckpt_copy, tmp_pat
     assert config.additional_config["clover"]["datastore"] == str((ckpt_copy / "ds.npz").resolve())
     _, config = _engine_config(default_model_dir, base)
     assert config.additional_config["clover"]["datastore"] == ""
+    assert config.additional_config["clover"]["datastore_min_confidence"] == 0.2
+    _, config = _engine_config(default_model_dir, {**base, "datastore": "ds.npz", "datastore_min_confidence": 0})
+    assert config.additional_config["clover"]["datastore_min_confidence"] == 0.0
     save_datastore(build_datastore([[1, 2]], vocab_size=100, min_count=1), tmp_path / "small.npz")
     for extra, needles in [
         ({"datastore": "nope.npz"}, ("clover option datastore", "nope.npz", "does not exist")),
         ({"datastore": str(tmp_path / "small.npz")}, ("100-token vocabulary", "49152")),
         ({"datastore": 3}, ("datastore must be a path",)),
         ({"datastore": "ds.npz", "prompt_lookup_tokens": 0}, ("prompt_lookup_tokens",)),
+        ({"datastore": "ds.npz", "datastore_min_confidence": 1.5}, ("datastore_min_confidence", "between 0 and 1")),
+        ({"datastore": "ds.npz", "datastore_min_confidence": "high"}, ("datastore_min_confidence",)),
     ]:
         with pytest.raises(CloverSpecError) as excinfo:
             _engine_config(default_model_dir, {**base, **extra})

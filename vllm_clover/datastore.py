@@ -12,9 +12,12 @@ finds nothing (proposer ``_draft_tree``); verification is the same one-hot rule,
 
 The table: for every context length n in 1..max_order, each n-token context seen in the
 corpus maps to the token that most often followed it (ties: the smaller id), kept when it
-followed at least ``min_count`` times. A context is a uint64 key, ``bits`` bits per token
+followed at least ``min_count`` times, with its confidence (the share of the context's
+occurrences it followed, in 1/255). A context is a uint64 key, ``bits`` bits per token
 (exact, no hashing: ``max_order * bits <= 64``). Drafting is greedy with back-off: the next
-token after the longest suffix found, repeated. Pure numpy, no vLLM import.
+token after the longest suffix found, repeated while its confidence reaches
+``min_confidence`` (each drafted token costs a verified row; uncertain ones rarely pay).
+Pure numpy, no vLLM import.
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ class DatastoreError(ValueError):
 @dataclass(frozen=True)
 class NgramDatastore:
     """keys[n - 1] [M_n] uint64 (sorted): the n-token contexts; next_tokens[n - 1] [M_n]
-    int32: the token that most often followed each. ``vocab_size``: the tokenizer's."""
+    int32: the token that most often followed each; confidence[n - 1] [M_n] uint8: the
+    share of the context's occurrences that token followed, x 255. ``vocab_size``: the
+    tokenizer's."""
 
     keys: tuple[np.ndarray, ...]
     next_tokens: tuple[np.ndarray, ...]
+    confidence: tuple[np.ndarray, ...]
     vocab_size: int
     bits: int
     source: str = ""
@@ -55,21 +61,25 @@ class NgramDatastore:
     def num_entries(self) -> int:
         return sum(int(k.size) for k in self.keys)
 
-    def continuation(self, tokens: np.ndarray, k: int) -> np.ndarray:
+    def continuation(self, tokens: np.ndarray, k: int, min_confidence: float = 0.0) -> np.ndarray:
         """Up to ``k`` draft tokens after ``tokens`` [L] (a request's committed tokens, the
         root last): each the most frequent follower of the longest suffix (<= max_order
-        tokens) in the table; stops early when not even the last token is there."""
+        tokens) in the table; stops early when not even the last token is there, or when
+        that follower's confidence is below ``min_confidence`` (0..1)."""
         context = [int(t) for t in tokens[-self.max_order:]] if k > 0 else []
+        threshold = min_confidence * 255
         out: list[int] = []
         for _ in range(k):
-            nxt = self._next(context)
-            if nxt is None:
+            hit = self._next(context)
+            if hit is None or hit[1] < threshold:
                 break
+            nxt = hit[0]
             out.append(nxt)
             context = (context + [nxt])[-self.max_order:]
         return np.asarray(out, dtype=np.int64)
 
-    def _next(self, context: list[int]) -> int | None:
+    def _next(self, context: list[int]) -> tuple[int, int] | None:
+        """(follower, confidence x 255) of the longest suffix of ``context`` in the table."""
         for n in range(min(self.max_order, len(context)), 0, -1):
             suffix = context[-n:]
             if any(t < 0 or t >= self.vocab_size for t in suffix):
@@ -78,7 +88,7 @@ class NgramDatastore:
             keys = self.keys[n - 1]
             i = int(np.searchsorted(keys, key))
             if i < keys.size and keys[i] == key:
-                return int(self.next_tokens[n - 1][i])
+                return int(self.next_tokens[n - 1][i]), int(self.confidence[n - 1][i])
         return None
 
 
@@ -108,20 +118,18 @@ def build_datastore(sequences: Iterable[Sequence[int]], vocab_size: int, max_ord
                             [np.zeros(0, dtype=np.int64)])
     if stream.size and (stream.max() >= vocab_size):
         raise DatastoreError(f"token id {int(stream.max())} is outside the {vocab_size}-token vocabulary")
-    keys, nexts = [], []
-    for n in range(1, max_order + 1):
-        k, v = _most_frequent_followers(stream, n, bits, min_count)
-        keys.append(k)
-        nexts.append(v)
-    return NgramDatastore(tuple(keys), tuple(nexts), vocab_size, bits, source)
+    tables = [_most_frequent_followers(stream, n, bits, min_count) for n in range(1, max_order + 1)]
+    return NgramDatastore(*(tuple(t[i] for t in tables) for i in range(3)), vocab_size, bits, source)
 
 
 def _most_frequent_followers(stream: np.ndarray, n: int, bits: int,
-                             min_count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted context keys [M] uint64, their most frequent follower [M] int32) over every
-    window of n + 1 tokens of ``stream`` without a separator (-1) in it."""
+                             min_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted context keys [M] uint64, their most frequent follower [M] int32, its share of
+    the context's occurrences x 255 [M] uint8) over every window of n + 1 tokens of
+    ``stream`` without a separator (-1) in it."""
+    empty = (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint8))
     if stream.size < n + 1:
-        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int32)
+        return empty
     windows = sliding_window_view(stream, n + 1)
     windows = windows[(windows >= 0).all(axis=1)]
     key = np.zeros(windows.shape[0], dtype=np.uint64)
@@ -131,7 +139,7 @@ def _most_frequent_followers(stream: np.ndarray, n: int, bits: int,
     order = np.lexsort((nxt, key))
     key, nxt = key[order], nxt[order]
     if key.size == 0:
-        return key, nxt.astype(np.int32)
+        return empty
     new_pair = np.r_[True, (key[1:] != key[:-1]) | (nxt[1:] != nxt[:-1])]
     starts = np.flatnonzero(new_pair)
     counts = np.diff(np.r_[starts, key.size])
@@ -141,7 +149,9 @@ def _most_frequent_followers(stream: np.ndarray, n: int, bits: int,
     by_count = np.lexsort((-counts, group))
     first = by_count[np.r_[True, group[by_count][1:] != group[by_count][:-1]]]
     keep = first[counts[first] >= min_count]
-    return pair_key[keep], pair_next[keep].astype(np.int32)
+    totals = np.bincount(group, weights=counts)[group[keep]]
+    share = np.floor(255 * counts[keep] / totals).astype(np.uint8)
+    return pair_key[keep], pair_next[keep].astype(np.int32), share
 
 
 def save_datastore(store: NgramDatastore, path: str | Path) -> None:
@@ -151,6 +161,7 @@ def save_datastore(store: NgramDatastore, path: str | Path) -> None:
     for n in range(1, store.max_order + 1):
         arrays[f"keys{n}"] = store.keys[n - 1]
         arrays[f"next{n}"] = store.next_tokens[n - 1]
+        arrays[f"conf{n}"] = store.confidence[n - 1]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:  # a file object: np.savez would append ".npz" to other names
         np.savez_compressed(f, **arrays)
@@ -171,13 +182,15 @@ def load_datastore(path: str | Path, vocab_size: int | None = None) -> NgramData
             order = int(meta["max_order"])
             keys = tuple(np.asarray(f[f"keys{n}"], dtype=np.uint64) for n in range(1, order + 1))
             nexts = tuple(np.asarray(f[f"next{n}"], dtype=np.int32) for n in range(1, order + 1))
-            store = NgramDatastore(keys, nexts, int(meta["vocab_size"]), int(meta["bits"]), str(meta.get("source", "")))
+            conf = tuple(np.asarray(f[f"conf{n}"], dtype=np.uint8) for n in range(1, order + 1))
+            store = NgramDatastore(keys, nexts, conf, int(meta["vocab_size"]), int(meta["bits"]),
+                                   str(meta.get("source", "")))
     except DatastoreError:
         raise
     except Exception as exc:  # zip, json, missing arrays: all mean a corrupt file
         raise DatastoreError(f"datastore {path} is unreadable or corrupt: {type(exc).__name__}: {exc}") from None
-    for n, (k, v) in enumerate(zip(store.keys, store.next_tokens), 1):
-        if k.shape != v.shape or (k.size > 1 and bool((k[1:] <= k[:-1]).any())):
+    for n, (k, v, c) in enumerate(zip(store.keys, store.next_tokens, store.confidence), 1):
+        if k.shape != v.shape or k.shape != c.shape or (k.size > 1 and bool((k[1:] <= k[:-1]).any())):
             raise DatastoreError(f"datastore {path} is corrupt: order-{n} keys unsorted or not matching their tokens")
     if store.bits * store.max_order > 64 or store.vocab_size > (1 << store.bits):
         raise DatastoreError(f"datastore {path} is corrupt: {store.bits} bits per token for "

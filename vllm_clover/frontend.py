@@ -40,12 +40,14 @@ METHOD = "clover"
 # prompt_lookup_tokens (int, 0 = off), prompt_lookup_min / prompt_lookup_max (n-gram sizes):
 # up to that many tokens of vLLM's ngram continuation grafted into every tree (lookup.py).
 # datastore (path, "" = off; relative to the checkpoint directory): where the prompt lookup
-# finds nothing, an n-gram datastore's chain fills those slots (datastore.py).
+# finds nothing, an n-gram datastore's chain fills those slots (datastore.py), token by token
+# while the table's confidence in the next one is at least datastore_min_confidence (0..1).
 OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
 # (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
                                    "dynamic_tree_nodes": 25, "prompt_lookup_tokens": 0,
-                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "datastore": ""}
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "datastore": "",
+                                   "datastore_min_confidence": 0.2}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
 # step streams the weights), ~11 cost 10+ ms more, and from batch 4 chain K=2 already runs
@@ -158,6 +160,8 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     options.update(lookup)
     options["datastore"] = datastore_option(spec.pop("datastore", ""), path, config.vocab_size,
                                             lookup["prompt_lookup_tokens"])
+    options["datastore_min_confidence"] = fraction(
+        spec.pop("datastore_min_confidence", DEFAULT_OPTIONS["datastore_min_confidence"]), "datastore_min_confidence")
     extra = lookup["prompt_lookup_tokens"]  # grafted nodes on top of the tree's own
     plus = " + prompt_lookup_tokens" if extra else ""
     if tree == DYNAMIC:
@@ -261,6 +265,13 @@ def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
         raise CloverSpecError("prompt_lookup_tokens grafts lookup candidates into a token tree and needs "
                               "the tree option (e.g. \"tree\": \"small_4\", or \"chain2\" for Clover's chain)")
     return out
+
+
+def fraction(value: Any, name: str) -> float:
+    """A number in [0, 1] (ints allowed), else a one-line CloverSpecError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise CloverSpecError(f"{name} must be a number between 0 and 1, got {value!r}")
+    return float(value)
 
 
 def datastore_option(value: Any, checkpoint: Path, vocab_size: int, lookup_tokens: int) -> str:

@@ -313,7 +313,8 @@ class CloverProposer(MedusaProposer):
                     chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
                                                 self.options["prompt_lookup_max"], lookup)
                     if not chain.size and self.datastore is not None:
-                        chain = self.datastore.continuation(committed, lookup)
+                        chain = self.datastore.continuation(committed, lookup,
+                                                            self.options["datastore_min_confidence"])
                     tokens, parent = graft_chain(tokens, parent, chain.tolist())
                 table[req_id] = (tokens, parent)
                 if self.records is not None:
