@@ -32,7 +32,6 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 FORMAT = "vllm-clover-ngram-datastore"
 VERSION = 1
-FILE_NAME = "datastore.npz"  # its name in a Clover checkpoint directory
 
 
 class DatastoreError(ValueError):
