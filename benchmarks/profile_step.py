@@ -7,7 +7,12 @@ docs/tree-verification.md "Measured" come from).
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that timers can wrap
 the runner's methods: target forward (``GPUModelRunner.execute_model``), sampling + drafting
 (``sample_tokens``), the Clover proposer, CPU attention (native kernel + tree rows), the tree
-rows alone, the tree sampler and the tree plan. Prompts are answered one at a time (batch 1,
+rows alone, the tree sampler and the tree plan; inside the proposer the trunk (with and
+without building its attention metadata), the heads' tree, prompt lookup and grafting.
+The target runs eager, as ``vllm-clover bench`` runs it (``--no-enforce-eager``: compiled).
+Caveat: in process, the worker's OpenMP threads get every core; vLLM's multiprocess executor
+(``LLM``, ``vllm serve``) keeps one core for its EngineCore process on x86, which on a 2-core
+machine leaves the worker one thread (docs/cpu-defaults.md). Prompts are answered one at a time (batch 1,
 greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request.
 Prints ms per engine step for each timer. Numbers vary 10-20% between runs on a shared
 2-core machine: compare configurations run back to back.
@@ -45,15 +50,25 @@ def add_timer(totals: dict[str, float], calls: collections.Counter, owner: Any, 
 
 
 def install_timers(totals: dict[str, float], calls: collections.Counter) -> None:
+    import vllm_clover.proposer as proposer
     import vllm_clover.tree_verify as tree_verify
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_clover.proposer import CloverProposer
+    from vllm_clover.vllm_model import CloverForSpeculativeDecoding
 
     for owner, attr, key in ((GPUModelRunner, "execute_model", "target forward"),
                              (GPUModelRunner, "sample_tokens", "sample + draft"),
                              (CloverProposer, "propose_clover", "clover proposer"),
+                             # Inside the proposer: the trunk with its attention metadata,
+                             # the trunk's layers alone, the heads' tree, prompt lookup.
+                             (CloverProposer, "_run_trunk", "  trunk + metadata"),
+                             (CloverForSpeculativeDecoding, "trunk", "  trunk layers"),
+                             (CloverProposer, "_draft_tree", "  tree drafting"),
+                             (proposer, "expand_static_tree", "    heads (tree)"),
+                             (proposer, "lookup_continuation", "    prompt lookup"),
+                             (proposer, "graft_chain", "    graft"),
                              (CPUAttentionBackendImpl, "forward", "attention"),
                              (tree_verify, "tree_attention_rows", "tree rows"),
                              (tree_verify.CloverRejectionSampler, "forward", "tree sampler"),
@@ -67,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", default="", help="speculative_config JSON (empty: vanilla)")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
+                    help="compile the target (vLLM's default); eager by default, as the bench runs")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="requests per generate call (the prompts repeated; 1 = one at a time)")
     args = ap.parse_args(argv)
@@ -77,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = json.loads(args.spec) if args.spec else None
     llm = LLM(model=str(ensure_default_model()), dtype=args.dtype, kv_cache_memory_bytes=2 << 30,
-              max_num_seqs=max(4, args.batch_size), speculative_config=spec)
+              max_num_seqs=max(4, args.batch_size), speculative_config=spec,
+              enforce_eager=args.enforce_eager)
     totals: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
     install_timers(totals, calls)

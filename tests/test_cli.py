@@ -81,6 +81,18 @@ def test_iomp_preload_is_prepended_once(monkeypatch, tmp_path) -> None:
     assert "LD_PRELOAD" not in cpu_env.with_iomp_preload({"VLLM_CLOVER_PRELOAD_IOMP": "0"})
 
 
+def test_small_machine_reserves_no_core_unless_the_user_chose() -> None:
+    """vLLM keeps one of 2 cores for its EngineCore (one model thread); we give both."""
+    assert cpu_env.with_worker_cores({}, cpus=2)[cpu_env.RESERVED_CPU_ENV] == "0"
+    assert cpu_env.with_worker_cores({}, cpus=1)[cpu_env.RESERVED_CPU_ENV] == "0"
+    assert cpu_env.RESERVED_CPU_ENV not in cpu_env.with_worker_cores({}, cpus=16)
+    assert cpu_env.with_worker_cores({cpu_env.RESERVED_CPU_ENV: "1"}, cpus=2) == {
+        cpu_env.RESERVED_CPU_ENV: "1"}
+    both = cpu_env.cpu_env_for_children({"VLLM_CLOVER_PRELOAD_IOMP": "0"})
+    assert "LD_PRELOAD" not in both and (cpu_env.RESERVED_CPU_ENV in both) == (
+        cpu_env.usable_cpus() <= cpu_env.SMALL_MACHINE_CPUS)
+
+
 def test_iomp_preload_replaces_vllms_automatic_libgomp(monkeypatch, tmp_path) -> None:
     """vLLM adds torch's libgomp when a config is built before our plugin loaded; its
     executor then refuses LD_PRELOAD naming both runtimes (the CI failure of session 2)."""

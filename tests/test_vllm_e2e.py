@@ -40,6 +40,22 @@ def test_plugin_registered_in_worker_process(llm) -> None:
     assert all("iomp=True" in where for _, where in states), states
 
 
+def _worker_threads(worker) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_worker_uses_every_core_on_a_small_machine(llm) -> None:
+    """vLLM would keep one of 2 cores for the EngineCore; cpu_env gives the worker both."""
+    from vllm_clover import cpu_env
+
+    cpus = cpu_env.usable_cpus()
+    if cpus > cpu_env.SMALL_MACHINE_CPUS:
+        pytest.skip(f"{cpus} CPUs: vLLM's own reservation applies")
+    assert llm.collective_rpc(_worker_threads) == [cpus]
+
+
 def test_chat_answers_capital_of_france(llm) -> None:
     from vllm import SamplingParams
 

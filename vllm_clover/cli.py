@@ -105,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> None:
     print(f"[vllm-clover] try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{body}'", flush=True)
     # Re-exec so LD_PRELOAD (Intel OpenMP) applies to the server process itself too.
-    env = cpu_env.with_iomp_preload(dict(os.environ))
+    env = cpu_env.cpu_env_for_children(dict(os.environ))
     os.execve(sys.executable, [sys.executable, "-m", "vllm_clover.cli", "vllm", *argv], env)
 
 

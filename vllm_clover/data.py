@@ -302,10 +302,10 @@ def self_distill(
     vLLM spawns worker processes: call this only from code under
     ``if __name__ == "__main__":``.
     """
-    from .cpu_env import DEFAULT_KV_CACHE_BYTES, preload_iomp_for_children
+    from .cpu_env import DEFAULT_KV_CACHE_BYTES, set_cpu_env_for_children
 
     # LD_PRELOAD only acts at process start; vLLM's spawned workers inherit it from here.
-    preload_iomp_for_children()
+    set_cpu_env_for_children()
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

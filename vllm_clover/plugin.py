@@ -51,11 +51,8 @@ def register() -> None:
     if _registered:
         return
     check_vllm_version()
-    from vllm_clover import cpu_env, patches
+    from vllm_clover import patches
 
-    if cpu_env.is_cpu_platform():
-        cpu_env.preload_iomp_for_children()
-
-    patches.apply_all()
+    patches.apply_all()  # the CPU environment first: before vLLM spawns any process
     _registered = True
     logger.debug("vllm-clover registered (vLLM %s)", installed_vllm_version())
