@@ -1,6 +1,10 @@
 """Side-by-side decode throughput of plain vLLM on CPU under the settings we choose defaults for.
 
-Settings: dtype (float32 / bfloat16) x Intel OpenMP preload (on / off). Each setting runs in
+Settings: dtype (float32 / bfloat16) x Intel OpenMP preload (on / off), and
+``float32+iomp+reserve1``: vLLM's own core reservation (one core kept for the EngineCore,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1``) instead of ours (none on machines with at most 2 CPUs;
+``vllm_clover/cpu_env.py``). ``--spec JSON`` runs every setting with that speculative
+config (e.g. Clover's serve default) instead of plain vLLM. Each setting runs in
 its own subprocess (LD_PRELOAD must be set at process start), rounds alternate settings to
 spread machine noise, and every run uses the same prompts: the first turns of the first
 8 MT-Bench questions through the chat template, greedy, ``--max-tokens`` new tokens with
@@ -20,22 +24,24 @@ import subprocess
 import sys
 import time
 
+# name -> (dtype, VLLM_CLOVER_PRELOAD_IOMP, VLLM_CPU_NUM_OF_RESERVED_CPU or None for ours)
 SETTINGS = {
-    "float32+iomp": ("float32", "1"),
-    "float32-no-iomp": ("float32", "0"),
-    "bfloat16+iomp": ("bfloat16", "1"),
-    "bfloat16-no-iomp": ("bfloat16", "0"),
+    "float32+iomp": ("float32", "1", None),
+    "float32-no-iomp": ("float32", "0", None),
+    "bfloat16+iomp": ("bfloat16", "1", None),
+    "bfloat16-no-iomp": ("bfloat16", "0", None),
+    "float32+iomp+reserve1": ("float32", "1", "1"),
 }
 
 
-def measure(dtype: str, max_tokens: int) -> dict[str, float]:
+def measure(dtype: str, max_tokens: int, spec: dict | None = None) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
     from vllm_clover.data import load_mtbench
     from vllm_clover.default_model import ensure_default_model
 
     llm = LLM(model=str(ensure_default_model(verbose=False)), dtype=dtype, enforce_eager=True,
-              kv_cache_memory_bytes=1 << 30, max_model_len=2048)
+              kv_cache_memory_bytes=1 << 30, max_model_len=2048, speculative_config=spec)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}],
                                        tokenize=False, add_generation_prompt=True)
@@ -56,20 +62,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--spec", default="", help="speculative_config JSON for every setting")
     ap.add_argument("--output")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.max_tokens)), flush=True)
+        spec = json.loads(args.spec) if args.spec else None
+        print("RESULT " + json.dumps(measure(args.one, args.max_tokens, spec)), flush=True)
         return
     runs: dict[str, list[dict]] = {name: [] for name in args.settings.split(",")}
     for r in range(args.rounds):
         for name in runs:
-            dtype, iomp = SETTINGS[name]
-            env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+            dtype, iomp, reserved = SETTINGS[name]
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("LD_PRELOAD", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
             env["VLLM_CLOVER_PRELOAD_IOMP"] = iomp  # the plugin sets LD_PRELOAD for workers
+            if reserved is not None:
+                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
             proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_settings", "--one", dtype,
-                                   "--max-tokens", str(args.max_tokens)],
+                                   "--max-tokens", str(args.max_tokens), "--spec", args.spec],
                                   capture_output=True, text=True, env=env)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
@@ -89,7 +100,8 @@ def main() -> None:
         with open(args.output, "w") as fh:
             json.dump({"conditions": {"machine": platform.processor() or platform.machine(),
                                       "cpus": os.cpu_count(), "max_tokens": args.max_tokens,
-                                      "prompts": "MT-Bench first turns 1-8", "rounds": args.rounds},
+                                      "prompts": "MT-Bench first turns 1-8", "rounds": args.rounds,
+                                      "speculative_config": args.spec or None},
                        "runs": runs, "mean": summary}, fh, indent=1)
 
 

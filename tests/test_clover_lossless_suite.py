@@ -53,6 +53,8 @@ def _spec_config(ckpt: Path, tree: bool = False) -> dict:
     options = dict(SHIPPED_SERVE_OPTIONS)
     if not (ckpt / DRAFT_VOCAB_FILE).is_file():
         options.pop("draft_vocab_size")
+    if not (ckpt / options["datastore"]).is_file():  # a fallback drafter ships no datastore
+        options.pop("datastore")
     if tree:
         import json
 
