@@ -75,9 +75,10 @@ def with_iomp_preload(env: dict[str, str]) -> dict[str, str]:
 # EngineCore's scheduler loop (utils/ompmultiprocessing.py, reserve_cpu_num; its comment:
 # "TODO: make scheduler proc sleep when idle"). On a 2-core machine the worker then binds
 # one thread ("core ids=[0]", "reserved_cpus=[1]" in its log) and the model runs at half
-# the cores. With no core reserved, plain vLLM ran 1.53x faster at batch 1 and 1.55x at
-# batch 32 here, Clover 1.27x / 1.65x (docs/cpu-defaults.md). The EngineCore then shares
-# the cores, which costs less: it mostly waits (sched_yield) while the worker computes.
+# the cores. With no core reserved, plain vLLM ran 1.40-1.53x faster at batch 1 and
+# 1.55-1.57x at batch 8-32 here, Clover 1.03-1.27x / 1.36-1.65x (docs/cpu-defaults.md).
+# The EngineCore then shares the cores, which costs less: it mostly waits (sched_yield)
+# while the worker computes.
 SMALL_MACHINE_CPUS = 2
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 

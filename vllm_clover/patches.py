@@ -366,7 +366,7 @@ CATALOGUE: list[Patch] = [
             "LD_PRELOAD starts with Intel OpenMP (vLLM warns speculative decoding is much "
             "slower without it) and, with at most 2 usable CPUs, VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             "so the worker binds every core instead of leaving one to the EngineCore (on 2 "
-            "cores: one model thread; 1.5x faster without the reservation, "
+            "cores: one model thread; plain vLLM 1.4-1.6x faster without the reservation, "
             "docs/cpu-defaults.md). A variable the user set is left alone."
         ),
         remove_when="vLLM's CPU worker finds Intel OpenMP itself and stops reserving a core "
