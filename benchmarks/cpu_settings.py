@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from vllm_clover.cpu_env import RESERVED_CPU_ENV
+
 # name -> (dtype, VLLM_CLOVER_PRELOAD_IOMP, VLLM_CPU_NUM_OF_RESERVED_CPU or None for ours)
 SETTINGS = {
     "float32+iomp": ("float32", "1", None),
@@ -74,11 +76,10 @@ def main() -> None:
     for r in range(args.rounds):
         for name in runs:
             dtype, iomp, reserved = SETTINGS[name]
-            env = {k: v for k, v in os.environ.items()
-                   if k not in ("LD_PRELOAD", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+            env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", RESERVED_CPU_ENV)}
             env["VLLM_CLOVER_PRELOAD_IOMP"] = iomp  # the plugin sets LD_PRELOAD for workers
-            if reserved is not None:
-                env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved
+            if reserved is not None:  # else the plugin's own rule (cpu_env.with_worker_cores)
+                env[RESERVED_CPU_ENV] = reserved
             proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_settings", "--one", dtype,
                                    "--max-tokens", str(args.max_tokens), "--spec", args.spec],
                                   capture_output=True, text=True, env=env)

@@ -10,10 +10,10 @@ the runner's methods: target forward (``GPUModelRunner.execute_model``), samplin
 rows alone, the tree sampler and the tree plan; inside the proposer the trunk (with and
 without building its attention metadata), the heads' tree, prompt lookup and grafting.
 The target runs eager, as ``vllm-clover bench`` runs it (``--no-enforce-eager``: compiled).
-Caveat: in process, the worker's OpenMP threads get every core; vLLM's multiprocess executor
-(``LLM``, ``vllm serve``) keeps one core for its EngineCore process on x86, which on a 2-core
-machine leaves the worker one thread (docs/cpu-defaults.md). Prompts are answered one at a time (batch 1,
-greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request.
+In process, the model's OpenMP threads get every core, as the multiprocess engine's worker
+does on machines with at most 2 CPUs (``cpu_env.with_worker_cores``); on larger ones vLLM
+keeps a core for its EngineCore (docs/cpu-defaults.md). Prompts are answered one at a time
+(batch 1, greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request.
 Prints ms per engine step for each timer. Numbers vary 10-20% between runs on a shared
 2-core machine: compare configurations run back to back.
 """

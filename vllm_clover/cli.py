@@ -54,7 +54,7 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 # token draft vocabulary, no drafts from 3 running requests; where the request repeats no
 # n-gram, the shipped n-gram datastore fills the lookup's slots while its next token is at
 # least 20% likely (datastore_min_confidence's default). The fastest at batch 1: ahead of
-# the same without the datastore in all 4 repeats of 2 runs on 2 machines.
+# the same without the datastore on average in 2 runs on 2 machines (3 of their 4 repeats).
 SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                          "datastore": "datastore.npz", "disable_by_batch_size": 3}
 # GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
