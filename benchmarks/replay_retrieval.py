@@ -1,0 +1,160 @@
+"""Offline replay of the retrieval drafters (prompt lookup, n-gram datastores) on the target's
+own greedy answers: tokens per decode step and verified retrieval rows per step, no engine.
+
+Why: a datastore or lookup setting changes only which tokens fill the lookup's verify slots,
+and verification is exact, so its acceptance on greedy decoding can be measured by replaying
+the target's greedy answers step by step, in seconds instead of a benchmark's minutes, and
+without machine noise. The engine benchmark (``vllm-clover bench``) then checks the winner.
+
+    python -m benchmarks.replay_retrieval --num-prompts 40 \
+        --drafters "lookup,lookup+vllm_clover/heads/smollm2-135m-instruct-clover2/datastore.npz,lookup+my.npz"
+
+Answers: greedy float32 answers of the target to MT-Bench first turns (``--max-tokens``),
+generated once with vLLM and cached under ``$VLLM_CLOVER_CACHE/replay/``. A drafter is
+``lookup`` (prompt lookup only), ``PATH.npz`` (datastore only) or ``lookup+PATH.npz``
+(prompt lookup, else the datastore: the proposer's rule). Heads are not replayed: their
+drafts depend on hidden states (``vllm-clover eval`` measures them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+# Drafter: committed tokens [L] (the root last) -> up to k draft tokens.
+Drafter = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ReplayStats:
+    steps: int
+    tokens: int  # tokens produced by decode steps (each step: accepted drafts + 1)
+    drafted: int  # draft tokens proposed, i.e. retrieval rows verified
+    accepted: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / max(self.steps, 1)
+
+    @property
+    def rows_per_step(self) -> float:
+        return self.drafted / max(self.steps, 1)
+
+
+def replay(prompt: np.ndarray, answer: np.ndarray, drafter: Drafter) -> ReplayStats:
+    """Greedy speculative decoding of ``answer`` [T] after ``prompt`` [P] with ``drafter``.
+
+    The first answer token comes from prefill (as in vLLM, and as the bench counts); each
+    decode step drafts after the committed tokens, accepts the longest prefix equal to the
+    answer's next tokens and adds the target's own next token (the bonus), or ends the answer.
+    """
+    seq = np.concatenate([prompt, answer]).astype(np.int64)
+    pos, end = prompt.size + 1, seq.size  # committed = seq[:pos]
+    steps = drafted = accepted = 0
+    while pos < end:
+        draft = np.asarray(drafter(seq[:pos]), dtype=np.int64)[: end - pos]
+        truth = seq[pos:pos + draft.size]
+        mismatch = np.flatnonzero(draft != truth)
+        n = int(mismatch[0]) if mismatch.size else int(draft.size)
+        steps, drafted, accepted = steps + 1, drafted + int(draft.size), accepted + n
+        pos = min(end, pos + n + 1)
+    return ReplayStats(steps, end - prompt.size - 1, drafted, accepted)
+
+
+def make_drafter(spec: str, k: int, lookup_min: int, lookup_max: int, min_confidence: float,
+                 vocab_size: int) -> Drafter:
+    """``lookup``, ``PATH.npz`` or ``lookup+PATH.npz`` as a drafter of up to ``k`` tokens."""
+    from vllm_clover.datastore import load_datastore
+    from vllm_clover.lookup import lookup_continuation
+
+    parts = spec.split("+", 1)
+    use_lookup = parts[0] == "lookup"
+    path = parts[1] if use_lookup and len(parts) == 2 else (None if use_lookup else spec)
+    store = load_datastore(path, vocab_size) if path else None
+
+    def draft(committed: np.ndarray) -> np.ndarray:
+        chain = lookup_continuation(committed, lookup_min, lookup_max, k) if use_lookup else committed[:0]
+        if not chain.size and store is not None:
+            chain = store.continuation(committed, k, min_confidence)
+        return chain
+
+    return draft
+
+
+def mtbench_answers(model_dir: str, num_prompts: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy answer ids) of the first ``num_prompts`` MT-Bench first turns,
+    float32; cached. Starts vLLM when not cached: call under ``__main__``."""
+    from vllm_clover.default_model import cache_dir
+
+    path = cache_dir() / "replay" / f"{Path(model_dir).name}-mtbench{num_prompts}-mnt{max_tokens}-float32.json"
+    if path.is_file():
+        return [tuple(r) for r in json.loads(path.read_text())]
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench import render_prompts
+    from vllm_clover import cpu_env, data
+
+    cpu_env.set_cpu_env_for_children()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = [{"turns": q["turns"]} for q in data.load_mtbench()[:num_prompts]]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"]
+               for text in render_prompts(records, tokenizer)]
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=cpu_env.DEFAULT_KV_CACHE_BYTES)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    pairs = [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(pairs))
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--drafters", required=True, help="comma-separated: lookup, PATH.npz, lookup+PATH.npz")
+    ap.add_argument("--target", default=None, help="target model directory (default: the embedded model)")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, default=5, help="draft tokens per step (prompt_lookup_tokens)")
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--min-confidence", type=float, default=0.2, help="datastore_min_confidence")
+    ap.add_argument("--output", default=None, help="JSON with the conditions and one row per drafter")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoConfig
+
+    from vllm_clover.default_model import ensure_default_model
+
+    target = args.target or str(ensure_default_model())
+    vocab = AutoConfig.from_pretrained(target).get_text_config().vocab_size
+    pairs = mtbench_answers(target, args.num_prompts, args.max_tokens)
+    rows = []
+    for spec in [s.strip() for s in args.drafters.split(",") if s.strip()]:
+        drafter = make_drafter(spec, args.k, args.lookup_min, args.lookup_max, args.min_confidence, vocab)
+        stats = [replay(np.asarray(p), np.asarray(a), drafter) for p, a in pairs if len(a) > 1]
+        total = ReplayStats(*(sum(getattr(s, f) for s in stats) for f in ("steps", "tokens", "drafted", "accepted")))
+        rows.append({"drafter": spec, "tokens_per_step": round(total.tokens_per_step, 4),
+                     "rows_per_step": round(total.rows_per_step, 4), "steps": total.steps})
+        print(f"{spec:70s} tokens/step {total.tokens_per_step:.3f}  retrieval rows/step "
+              f"{total.rows_per_step:.2f}", flush=True)
+    if args.output:
+        conditions = {"target": target, "prompts": f"mtbench[:{args.num_prompts}] first turns",
+                      "max_tokens": args.max_tokens, "dtype": "float32", "greedy": True, "k": args.k,
+                      "lookup_min": args.lookup_min, "lookup_max": args.lookup_max,
+                      "min_confidence": args.min_confidence}
+        Path(args.output).write_text(json.dumps({"conditions": conditions, "results": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
