@@ -97,15 +97,15 @@ def mtbench_answers(model_dir: str, num_prompts: int, max_tokens: int) -> list[t
         return [tuple(r) for r in json.loads(path.read_text())]
     from transformers import AutoTokenizer
 
-    from benchmarks.bench import render_prompts
-    from vllm_clover import cpu_env, data
+    from benchmarks.bench import load_prompts, render_prompts
+    from vllm_clover import cpu_env
 
     cpu_env.set_cpu_env_for_children()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    records = [{"turns": q["turns"]} for q in data.load_mtbench()[:num_prompts]]
+    records, _ = load_prompts("mtbench", num_prompts)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"]
                for text in render_prompts(records, tokenizer)]
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
