@@ -36,10 +36,11 @@ Output schema (``--output``)::
                     "repeats", "machine", "vllm", "torch_threads", "date"},
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
-                  "tokens_per_s_runs", "num_speculative_tokens", "checkpoint",
+                  "tokens_per_s_runs", "speedup_vs_vanilla_runs", "num_speculative_tokens", "checkpoint",
                   "draft_cost_vs_target_step", "acceptance_length_when_drafting"}]}
 
-``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them);
+``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them, in repeat order;
+``speedup_vs_vanilla_runs`` divides each by vanilla's run of the same repeat);
 ``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla.
 """
 
@@ -243,15 +244,20 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
         base = [v for v in results if v["method"].split(":")[0].split("@")[0] == "vanilla"
                 and v["batch_size"] == r["batch_size"]]
         r["speedup_vs_vanilla"] = r["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
+        # Per repeat (runs are listed in repeat order): methods of one repeat ran minutes
+        # apart, so these ratios cancel the machine's slow drifts that the means keep.
+        r["speedup_vs_vanilla_runs"] = ([m / v for m, v in zip(r["tokens_per_s_runs"], base[0]["tokens_per_s_runs"])]
+                                        if base else None)
     return results
 
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{'method':40s} {'batch':>5s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s} "
-          f"{'(drafting)':>10s} {'draft cost':>10s}  per-position")
+          f"{'(drafting)':>10s} {'draft cost':>10s}  per-position | speedup per repeat")
     for r in results:
         sp = f"{r['speedup_vs_vanilla']:.2f}x" if r["speedup_vs_vanilla"] else "-"
         pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
+        pos += " | " + " ".join(f"{x:.2f}" for x in r.get("speedup_vs_vanilla_runs") or [])
         dc = r.get("draft_cost_vs_target_step")
         dc = f"{100 * dc:.0f}%" if dc is not None else "-"
         print(f"{r['method'][-40:]:40s} {r['batch_size']:5d} {r['tokens_per_s']:8.1f} {sp:>8s} "
@@ -434,11 +440,9 @@ def _cpu_model() -> str:
 def _cpu_vector_isa() -> str:
     """The CPU's widest vector ISA for the machine string, ' (AVX-512)' or ' (AVX2)':
     speculative ratios on a CPU depend on it (README "Results")."""
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        return ""
+    from vllm_clover.cpu_env import cpu_flags
+
+    flags = cpu_flags()
     return " (AVX-512)" if "avx512f" in flags else " (AVX2)" if "avx2" in flags else ""
 
 

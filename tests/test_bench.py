@@ -53,6 +53,7 @@ def test_aggregate_means_and_speedup() -> None:
     res = {r["method"]: r for r in bench.aggregate(runs, methods, 4)}
     assert res["vanilla"]["tokens_per_s"] == 12.0 and res["vanilla"]["speedup_vs_vanilla"] == 1.0
     assert res["ngram@2"]["speedup_vs_vanilla"] == pytest.approx(21.0 / 12.0)
+    assert res["ngram@2"]["speedup_vs_vanilla_runs"] == pytest.approx([24.0 / 10.0, 18.0 / 14.0])
     assert res["ngram@2"]["acceptance_per_position"] == pytest.approx([0.55, 0.35])
     assert res["ngram@2"]["mean_acceptance_length"] == pytest.approx(1.9)
     assert res["ngram@2"]["num_speculative_tokens"] == 2

@@ -92,9 +92,13 @@ def test_epoch_batches_seeded_and_within_budget() -> None:
 
 
 # ----------------------------------------------------------------------------- training
-def test_train_loss_falls_and_writes_loadable_drafter(tiny_target, convs_file, tmp_path) -> None:
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
+def test_train_loss_falls_and_writes_loadable_drafter(tiny_target, convs_file, tmp_path, compute_dtype) -> None:
     out = tmp_path / "run"
-    report = T.train(_args(tiny_target, convs_file, out, steps=30, warmup_steps=1), progress=False)
+    report = T.train(_args(tiny_target, convs_file, out, steps=30, warmup_steps=1, compute_dtype=compute_dtype),
+                     progress=False)
+    manifest = json.loads((Path(report["data"]["feature_caches"][0]) / "manifest.json").read_text())
+    assert manifest["compute_dtype"] == compute_dtype and report["args"]["compute_dtype"] == compute_dtype
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     losses = [h["loss"] for h in history]
     # The soft-label term cannot fall below the target's entropy (large for a random
@@ -182,6 +186,18 @@ def _cli_error(argv: list[str]) -> str:
     message = str(exc.value.code)
     assert message.startswith("vllm-clover: error: ") and "\n" not in message, message
     return message
+
+
+def test_compute_dtype_auto_is_float32_without_avx512(monkeypatch) -> None:
+    from vllm_clover import cli, cpu_env
+
+    assert not cpu_env.fast_bf16_matmul({"avx2", "fma"})
+    assert cpu_env.fast_bf16_matmul({"avx2", "avx512f"}) and cpu_env.fast_bf16_matmul({"amx_bf16"})
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: {"avx2"})
+    assert cli.resolve_compute_dtype("auto") == "float32"
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: {"avx512f"})
+    assert cli.resolve_compute_dtype("auto") == "bfloat16"
+    assert cli.resolve_compute_dtype("float32") == "float32"
 
 
 def test_train_bad_inputs_give_one_line(tiny_target, convs_file, tmp_path) -> None:

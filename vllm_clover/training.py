@@ -501,7 +501,9 @@ class TrainArgs:
     threads: int = 1
     save_every: int = 100
     train_vocab: int = 0  # 0 = full vocabulary (exact loss)
-    feature_dtype: str = "bfloat16"
+    # Target features and the drafter's products (autocast, LM-head products) in this dtype;
+    # the CLI's "auto" picks float32 on CPUs without fast bf16 (cpu_env.fast_bf16_matmul).
+    compute_dtype: str = "bfloat16"
     feature_cache: str | None = None
     distill_max_new_tokens: int = 256
     distill_dtype: str = "float32"
@@ -521,6 +523,7 @@ class TrainArgs:
         return {k: v for k, v in d.items() if k not in self._RESUME_FREE}
 
 
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.pt"
 
@@ -621,7 +624,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     from .features import collate_features, load_target_head
 
     t0 = time.perf_counter()
-    ds, cache_dirs = build_feature_chunks(target, chunks, label, args.max_len, args.feature_dtype,
+    ds, cache_dirs = build_feature_chunks(target, chunks, label, args.max_len, args.compute_dtype,
                                           args.threads, args.feature_cache)
     t_features = time.perf_counter() - t0
     data_info = {"source": label, "feature_caches": [str(d) for d in cache_dirs], **ds.data_info()}
@@ -633,11 +636,11 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     drafter, config = build_model_for_target(args, target, target_config)
     norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
     if args.method == "clover":
-        # E = lm_head weight as in the official code; the LM-head products run in bf16.
+        # E = lm_head weight as in the official code; the LM-head products run in compute_dtype.
         drafter.bind_target(lm_head)
     else:
         drafter.bind_target(lm_head, embed)  # EAGLE reads the target's embedding, as vLLM shares it
-    lm_head_bf16 = lm_head.to(torch.bfloat16)
+    lm_head_compute = lm_head.to(COMPUTE_DTYPES[args.compute_dtype])
     vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size) if args.train_vocab else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
     if args.token_value_init == "matched":
@@ -681,7 +684,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
             epoch, j = plan.locate(step)
             wall0, cpu0 = time.perf_counter(), time.process_time()
             batch = collate_features([ds[i] for i in plan.epoch(epoch)[j]])
-            record = train_step(drafter, optimizer, scheduler, batch, norm_w, eps, lm_head_bf16, vocab, args)
+            record = train_step(drafter, optimizer, scheduler, batch, norm_w, eps, lm_head_compute, vocab, args)
             step += 1
             done_here += 1
             # CPU time next to wall time: on a shared machine the two differ a lot.
@@ -745,7 +748,8 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
                eps: float, lm_head: Tensor, vocab: Tensor | None, args: TrainArgs) -> dict[str, Any]:
     """One optimizer step on a ``collate_features`` batch; returns its history record.
 
-    x [B, T, H] (bf16 cache) -> fp32 drafter under bf16 autocast (Medusa / EAGLE get
+    x [B, T, H] (bf16 cache) -> fp32 drafter under autocast to ``args.compute_dtype``
+    (bf16; none for float32) (Medusa / EAGLE get
     h-bar_t = RMSNorm(x_t) instead, what vLLM feeds them); targets h-bar_{t+1} [B, T, H] from
     the target's final norm; loss and backward by clover_loss_backward over the full
     vocabulary or this batch's subset (``vocab`` = base subset, see batch_vocab), with the
@@ -758,7 +762,7 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
     else:
         x = batch["x"].float()
     target_hidden = shifted_postnorm_targets(batch["x"], batch["lengths"], norm_w, eps)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.compute_dtype == "bfloat16"):
         outputs = drafter.forward_train(x, batch["input_ids_shifted"], batch["attention_mask"])
     optimizer.zero_grad(set_to_none=True)
     step_vocab = None if vocab is None else batch_vocab(
