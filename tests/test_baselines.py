@@ -101,6 +101,25 @@ def test_medusa_checkpoint_format(runs, sharp_target: Path) -> None:
     assert torch.equal(tensors["lm_head.weight"], load_target_head(sharp_target)[2])
 
 
+def test_medusa_head_subset_equals_training_fewer_heads(runs, sharp_target, convs_file, tmp_path) -> None:
+    """The first heads of a 3-head run are a 1-head run on the same data (heads share nothing)."""
+    from vllm_clover.baselines import BaselineError, medusa_head_subset
+
+    one = tmp_path / "one"
+    T.train(_args(sharp_target, convs_file, one, method="medusa", num_heads=1, num_layers=1, steps=STEPS,
+                  warmup_steps=1, lr=3e-3), progress=False)
+    sub = medusa_head_subset(runs["medusa"], tmp_path / "sub", 1)
+    assert json.loads((sub / "config.json").read_text()) == json.loads((one / "config.json").read_text())
+    got, want = load_file(str(sub / "model.safetensors")), load_file(str(one / "model.safetensors"))
+    assert set(got) == set(want) == {"blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "lm_head.weight"}
+    for name in want:  # bf16 on disk; summation order may differ in the last bit
+        torch.testing.assert_close(got[name].float(), want[name].float(), rtol=1e-2, atol=1e-3)
+    with pytest.raises(BaselineError, match="cannot keep 4"):
+        medusa_head_subset(runs["medusa"], tmp_path / "bad", 4)
+    with pytest.raises(BaselineError, match="not a Medusa checkpoint"):
+        medusa_head_subset(runs["eagle"], tmp_path / "bad", 1)
+
+
 def test_eagle_checkpoint_format(runs, sharp_target: Path) -> None:
     config = json.loads((runs["eagle"] / "config.json").read_text())
     target = json.loads((sharp_target / "config.json").read_text())

@@ -308,6 +308,30 @@ def save_baseline(directory: str | os.PathLike, model: nn.Module, target_config:
     return directory
 
 
+def medusa_head_subset(src: str | os.PathLike, dst: str | os.PathLike, num_heads: int) -> Path:
+    """Write the first ``num_heads`` heads of the Medusa checkpoint ``src`` as a checkpoint
+    of their own in ``dst``; returns ``dst``.
+
+    Why: vLLM's Medusa runs every head of its checkpoint on every step
+    (``v1/spec_decode/medusa.py`` ``propose``: one LM-head product per head) whatever
+    ``num_speculative_tokens`` is, so drafting K tokens with a K-head file is the cheapest.
+    Medusa heads share nothing in training (own parameters, own loss term, per-parameter
+    AdamW and clipping, same batches, head i initialised before head i + 1), so these heads
+    are what a ``num_heads`` run on the same data would have trained."""
+    from safetensors.torch import load_file
+
+    src, dst = Path(src), Path(dst)
+    config = _read_config(src)
+    if MEDUSA_ARCHITECTURE not in (config.get("architectures") or []):
+        raise BaselineError(f"{src}: not a Medusa checkpoint (architectures {config.get('architectures')!r})")
+    if not 1 <= num_heads <= int(config["num_heads"]):
+        raise BaselineError(f"{src} has {config['num_heads']} heads; cannot keep {num_heads}")
+    tensors = {name: t for name, t in load_file(str(src / WEIGHTS_NAME)).items()
+               if not name.startswith("blocks.") or int(name.split(".")[1]) < num_heads}
+    _write_atomic(dst, {**config, "num_heads": num_heads}, tensors)
+    return dst
+
+
 def _read_config(directory: Path) -> dict[str, Any]:
     from .checkpoint import CloverCheckpointError
 
