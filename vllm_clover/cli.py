@@ -168,7 +168,8 @@ def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
                                max_len=args.max_len, threads=args.threads, json_path=args.json,
                                feature_dtype=args.feature_dtype,
                                max_conversations=args.max_conversations,
-                               draft_vocab_size=args.draft_vocab))
+                               draft_vocab_size=args.draft_vocab,
+                               draft_dtype=resolve_compute_dtype(args.compute_dtype)))
     print(format_report(report))
 
 
@@ -288,6 +289,8 @@ def _add_eval_parser(sub) -> None:
                    help="heads score only the checkpoint's N most frequent response tokens "
                         "(draft_vocab.json; 0 = full vocabulary), as the draft_vocab_size option")
     p.add_argument("--json", default=None, help="write the report here (default: <heads>/eval_<data>.json)")
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the drafter's LM-head products; auto: bfloat16 on AVX-512 CPUs, else float32")
     p.set_defaults(func=_cmd_eval)
 
 
