@@ -523,7 +523,6 @@ class TrainArgs:
         return {k: v for k, v in d.items() if k not in self._RESUME_FREE}
 
 
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.pt"
 
@@ -640,7 +639,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         drafter.bind_target(lm_head)
     else:
         drafter.bind_target(lm_head, embed)  # EAGLE reads the target's embedding, as vLLM shares it
-    lm_head_compute = lm_head.to(COMPUTE_DTYPES[args.compute_dtype])
+    lm_head_compute = lm_head.to(getattr(torch, args.compute_dtype))
     vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size) if args.train_vocab else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
     if args.token_value_init == "matched":
