@@ -222,6 +222,46 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
     assert torch.equal(after_k, before_k) and torch.equal(after_v, before_v)
 
 
+def test_all_greedy_tree_batch_skips_the_rejection_sampler(vllm_sampler) -> None:
+    """Every request a greedy tree request, no logits processing: the output is built
+    directly (vLLM's rejection sampler is not called) and equals greedy_accept per request:
+    accepted drafts, then the bonus, -1 padded to the longest accepted path + 1."""
+    from vllm_clover.tree_verify import CloverRejectionSampler, set_active_step
+
+    torch.manual_seed(5)
+    n1 = TREE.num_nodes + 1
+    trees = [[11, 12, 13, 21, 22, 23, 31], [1, 2, 3, 4, 5, 6, 7]]
+    logits = torch.randn(2 * n1, 50)
+    logits[0, 12] = logits[2, 23] = logits[6, 40] = 30.0  # request 0 accepts nodes 2, 6
+    logits[n1 + 0, 44] = 30.0  # request 1 accepts nothing: bonus 44
+    cache = _Cache()
+    step = TreeStep(num_tokens=2 * n1, requests=[_tree_step(0, 0, 10, n1), _tree_step(1, n1, 30, n1)])
+
+    class Spy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sampler, self.calls = vllm_sampler.sampler, 0
+
+        def forward(self, *args):
+            self.calls += 1
+            return vllm_sampler(*args)
+
+    spy = Spy()
+    set_active_step(step)
+    try:
+        out = CloverRejectionSampler(spy, cache.layers)(_runner_metadata(trees), None, logits.clone(),
+                                                         _sampling_metadata([0.0, 0.0]))
+    finally:
+        set_active_step(None)
+    assert spy.calls == 0
+    assert out.sampled_token_ids.dtype == torch.int32 and out.logprobs_tensors is None
+    for i, tokens in enumerate(trees):
+        ref = greedy_accept(torch.tensor([[0] + tokens]), logits[i * n1:(i + 1) * n1].argmax(-1)[None],
+                            TREE.buffers(1))
+        assert out.sampled_token_ids[i].tolist() == ref.output_tokens[0].tolist()[:3]
+    assert out.sampled_token_ids.tolist() == [[12, 23, 40], [44, -1, -1]]
+
+
 def test_truncated_tree_prefix(vllm_sampler) -> None:
     """The scheduler may send back only a BFS prefix of the drafts; the plan and the
     sampler then verify that prefix (still a tree, ancestor-closed)."""

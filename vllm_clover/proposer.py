@@ -31,6 +31,7 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
+from vllm_clover.cpu_linear import PackedLinear, onednn_available, pack_linears
 from vllm_clover.datastore import NgramDatastore, load_datastore
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
@@ -95,6 +96,9 @@ class CloverProposer(MedusaProposer):
         # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
         self.draft_ids: Tensor | None = None
         self.draft_weight: Tensor | None = None
+        # The LM-head product over the draft vocabulary ([B, H] -> [B, N]): the target's own
+        # (packed on CPU) for the full vocabulary, a packed or plain product over draft_weight.
+        self._draft_lm_head: Any = None
         # Wall time of propose_clover (CloverWorkerExtension.clover_timing). On a GPU the
         # clock stops after a synchronize only when VLLM_CLOVER_PROFILE=1 (it stalls the stream).
         self.timing = {"draft_s": 0.0, "calls": 0}
@@ -145,6 +149,7 @@ class CloverProposer(MedusaProposer):
             ids = load_draft_vocab(self.options["checkpoint"], self.options["draft_vocab_size"], cfg.vocab_size)
             self.draft_ids = ids.to(weight.device)
             self.draft_weight = weight[self.draft_ids].contiguous()
+        self._draft_lm_head = self._build_draft_lm_head(head, cfg.vocab_size)
         # Read by the runner's _setup_eagle3_aux_hidden_state_outputs right after this:
         # aux index num_layers = hidden + residual after the last layer = x_t.
         self.spec_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = [
@@ -404,12 +409,29 @@ class CloverProposer(MedusaProposer):
             q = full.index_copy_(2, self.draft_ids, q)
         return drafts, q.contiguous()
 
+    def _build_draft_lm_head(self, target_head: nn.Module, vocab_size: int) -> Any:
+        """The draft LM-head product o [B, H] -> [B, N]. On vLLM's CPU build the drafter's
+        ``nn.Linear``s and the draft-vocabulary rows are packed for oneDNN (cpu_linear.py) and
+        the full vocabulary reuses the target's own packed LM head; elsewhere plain products."""
+        if not onednn_available():
+            if self.draft_weight is None:
+                return self.model.logits
+            weight = self.draft_weight
+            return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
+        packed = pack_linears(self.model.drafter)
+        logger.debug("vllm-clover: %d drafter linears packed for oneDNN", packed)
+        if self.draft_weight is not None:
+            return PackedLinear(self.draft_weight)
+        method = getattr(target_head, "quant_method", None)
+        if method is None or not hasattr(method, "apply"):
+            return self.model.logits
+        # ParallelLMHead pads its rows; Clover's LM head is the first vocab_size of them.
+        return lambda o: method.apply(target_head, o.to(target_head.weight.dtype))[..., :vocab_size]
+
     def _draft_logits(self, o: Tensor) -> Tensor:
         """Head output o [B, H] -> float32 logits over the draft vocabulary [B, N] (N = V
         without a reduced draft vocabulary)."""
-        if self.draft_weight is None:
-            return self.model.logits(o)
-        return torch.nn.functional.linear(o.to(self.draft_weight.dtype), self.draft_weight).float()
+        return self._draft_lm_head(o).float()
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int, **_: Any) -> None:
