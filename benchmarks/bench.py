@@ -53,6 +53,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,7 +272,8 @@ def _label(method: str) -> str:
     name, _, rest = method.partition(":")
     label = f"{name}:{rest.split('/')[-1]}" if rest else name
     head, _, options = label.partition("?")
-    return head + ("\n" + options.replace("&", ", ") if options else "")
+    # Options wrapped at ~40 characters: one long line squeezes the axes to nothing.
+    return head + ("\n" + textwrap.fill(options.replace("&", ", "), 40) if options else "")
 
 
 def _add_note(fig, ax, note: str) -> None:

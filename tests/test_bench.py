@@ -114,6 +114,8 @@ def test_plot_writes_throughput_and_acceptance_charts(tmp_path, batch_sizes) -> 
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
     assert bench._label("clover:/x/heads/h@2?k=1&tree=small_4") == "clover:h@2\nk=1, tree=small_4"
     assert bench._label("vanilla") == "vanilla"
+    long = bench._label("clover:h?draft_vocab_size=4096&tree=chain2&prompt_lookup_tokens=5&datastore=datastore.npz")
+    assert long.startswith("clover:h\n") and max(len(line) for line in long.splitlines()) <= 40
 
 
 def test_profile_timer_counts_calls_and_time() -> None:
