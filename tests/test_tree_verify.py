@@ -180,6 +180,18 @@ class _Cache:
         return flat_k[slots].clone(), flat_v[slots].clone()
 
 
+class _SamplerSpy(torch.nn.Module):
+    """vLLM's rejection sampler, counting its calls (its ``sampler`` stays reachable)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner_sampler, self.sampler, self.calls = inner, inner.sampler, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.inner_sampler(*args)
+
+
 def _tree_step(index: int, start: int, root: int, n1: int, tree: StaticTree = TREE) -> TreeRequest:
     bufs = buffers_from_parents(tree.parent[None][:, :n1])
     return TreeRequest(index=index, start=start, root=root, buffers=bufs,
@@ -237,16 +249,7 @@ def test_all_greedy_tree_batch_skips_the_rejection_sampler(vllm_sampler) -> None
     cache = _Cache()
     step = TreeStep(num_tokens=2 * n1, requests=[_tree_step(0, 0, 10, n1), _tree_step(1, n1, 30, n1)])
 
-    class Spy(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sampler, self.calls = vllm_sampler.sampler, 0
-
-        def forward(self, *args):
-            self.calls += 1
-            return vllm_sampler(*args)
-
-    spy = Spy()
+    spy = _SamplerSpy(vllm_sampler)
     set_active_step(step)
     try:
         out = CloverRejectionSampler(spy, cache.layers)(_runner_metadata(trees), None, logits.clone(),
@@ -367,16 +370,7 @@ def test_step_without_drafts_takes_the_plain_sampler(vllm_sampler) -> None:
 
     ref = vllm_sampler(_runner_metadata([[]] * b), None, logits.clone(), metadata())
 
-    class Spy(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sampler, self.calls = vllm_sampler.sampler, 0
-
-        def forward(self, *args):
-            self.calls += 1
-            return vllm_sampler(*args)
-
-    spy = Spy()
+    spy = _SamplerSpy(vllm_sampler)
     out = CloverRejectionSampler(spy, _Cache().layers)(_runner_metadata([[]] * b), None, logits.clone(), metadata())
     assert spy.calls == 0
     assert torch.equal(out.sampled_token_ids, ref.sampled_token_ids)
