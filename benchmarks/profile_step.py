@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -76,6 +77,14 @@ def install_timers(totals: dict[str, float], calls: collections.Counter) -> None
         add_timer(totals, calls, owner, attr, key)
 
 
+def _op_profiler(top_ops: int) -> Any:
+    """torch.profiler over the timed requests when ``top_ops`` > 0, else a no-op context."""
+    if top_ops <= 0:
+        return contextlib.nullcontext()
+    import torch.profiler
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="compile the target (vLLM's default); eager by default, as the bench runs")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="requests per generate call (the prompts repeated; 1 = one at a time)")
+    ap.add_argument("--top-ops", type=int, default=0,
+                    help="also run torch.profiler over the timed requests and print the N "
+                         "operators with the most self CPU time (slower: profiling overhead)")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM is imported
     from vllm import LLM, SamplingParams
@@ -106,12 +118,16 @@ def main(argv: list[str] | None = None) -> None:
     totals.clear()
     calls.clear()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    profiler = _op_profiler(args.top_ops)
     t0, tokens = time.perf_counter(), 0
-    for prompt in prompts:
-        outs = llm.generate([prompt] * args.batch_size, params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    with profiler:
+        for prompt in prompts:
+            outs = llm.generate([prompt] * args.batch_size, params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = max(1, calls["sample + draft"])
+    if args.top_ops:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top_ops))
     print(f"spec {spec}, batch {args.batch_size}: {tokens} tokens, {tokens / wall:.1f} tok/s, {steps} steps, "
           f"{tokens / steps:.2f} tokens/step")
     for key in totals:
