@@ -139,3 +139,18 @@ def test_profile_timer_counts_calls_and_time() -> None:
     with pytest.raises(ValueError, match="negative"):
         owner.work(-1)
     assert calls["w"] == 2 and totals["w"] >= 0.01
+
+
+def test_profile_op_profiler_records_operators_only_when_asked() -> None:
+    """``--top-ops 0`` profiles nothing; ``--top-ops N`` records the operators run inside."""
+    import torch
+
+    from benchmarks.profile_step import _op_profiler
+
+    with _op_profiler(0) as off:
+        torch.ones(4) @ torch.ones(4)
+    assert off is None
+    profiler = _op_profiler(5)
+    with profiler:
+        torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+    assert "aten::mm" in {e.key for e in profiler.key_averages()}
