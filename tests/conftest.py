@@ -31,6 +31,33 @@ if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.env
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process executor)")
 
 
+def _import_triton_interpreted() -> None:
+    """Import Triton once with ``TRITON_INTERPRET=1`` when there is no GPU, then restore the
+    environment. Why: Triton decides at its first import whether its language functions
+    (``tl.zeros``, ...) are interpreted; test modules collected before tests/test_kernels.py
+    that import vLLM's ops (tests/test_cpu_linear.py) imported it without, and the interpreted
+    kernels then failed with "Cannot call @triton.jit'd outside of the scope of a kernel" in
+    the whole suite only. The variable itself must not leak into vLLM subprocesses."""
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # no Triton: tests/test_kernels.py skips its Triton tests
+        pass
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_interpreted()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end test that starts vLLM (runs in CI)")
 

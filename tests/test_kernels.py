@@ -6,7 +6,8 @@ the ``@triton.jit`` kernels are defined (import of ``kernels``) and again while 
 so it is set here, at the top, before any import of triton or kernels, then restored so
 that it does not leak into the rest of the session (vLLM subprocesses started by other
 test modules inherit the environment); the ``_interpret`` fixture sets it again for each
-test of this module. Shapes are tiny because the interpreter runs every program in numpy.
+test of this module. When another test module imports Triton first (through vLLM's ops),
+tests/conftest.py has already imported it interpreted. Shapes are tiny because the interpreter runs every program in numpy.
 """
 
 from __future__ import annotations
