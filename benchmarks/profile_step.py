@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = max(1, calls["sample + draft"])
-    if args.top_ops:
+    if args.top_ops > 0:
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top_ops))
     print(f"spec {spec}, batch {args.batch_size}: {tokens} tokens, {tokens / wall:.1f} tok/s, {steps} steps, "
           f"{tokens / steps:.2f} tokens/step")
