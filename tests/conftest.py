@@ -31,13 +31,15 @@ if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.env
                       "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process executor)")
 
 
-def _import_triton_interpreted() -> None:
-    """Import Triton once with ``TRITON_INTERPRET=1`` when there is no GPU, then restore the
-    environment. Why: Triton decides at its first import whether its language functions
-    (``tl.zeros``, ...) are interpreted; test modules collected before tests/test_kernels.py
-    that import vLLM's ops (tests/test_cpu_linear.py) imported it without, and the interpreted
-    kernels then failed with "Cannot call @triton.jit'd outside of the scope of a kernel" in
-    the whole suite only. The variable itself must not leak into vLLM subprocesses."""
+def _import_kernels_interpreted() -> None:
+    """Without a GPU, import Triton and ``kernels`` with ``TRITON_INTERPRET=1``, then restore
+    the environment. Why: Triton decides when a ``@triton.jit`` function is defined whether
+    it is interpreted, for its own language functions (``tl.zeros``, ... at ``import triton``)
+    and for ours (at ``import kernels``); a test module collected before tests/test_kernels.py
+    that imports vLLM's ops (tests/test_cpu_linear.py) imports Triton, and the interpreted
+    kernels then failed with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    So this runs before any test module is collected. The variable itself must not leak into
+    vLLM subprocesses; tests/test_kernels.py sets it again while its kernels run."""
     import torch
 
     if torch.cuda.is_available() or "triton" in sys.modules:
@@ -45,9 +47,7 @@ def _import_triton_interpreted() -> None:
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import triton.language  # noqa: F401
-    except Exception:  # no Triton: tests/test_kernels.py skips its Triton tests
-        pass
+        import kernels  # noqa: F401  (imports Triton too, where it is installed)
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
@@ -55,7 +55,7 @@ def _import_triton_interpreted() -> None:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-_import_triton_interpreted()
+_import_kernels_interpreted()
 
 
 def pytest_configure(config: pytest.Config) -> None:

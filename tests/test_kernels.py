@@ -2,33 +2,24 @@
 and the reference vs independent dense computations.
 
 Without a GPU the Triton kernels run in the interpreter. TRITON_INTERPRET must be set when
-the ``@triton.jit`` kernels are defined (import of ``kernels``) and again while they run,
-so it is set here, at the top, before any import of triton or kernels, then restored so
-that it does not leak into the rest of the session (vLLM subprocesses started by other
-test modules inherit the environment); the ``_interpret`` fixture sets it again for each
-test of this module. When another test module imports Triton first (through vLLM's ops),
-tests/conftest.py has already imported it interpreted. Shapes are tiny because the interpreter runs every program in numpy.
+Triton and the ``@triton.jit`` kernels are defined (``import kernels``) and again while they
+run: tests/conftest.py imports them with it set before any test module is collected, then
+restores the environment (vLLM subprocesses started by other test modules inherit it); the
+``_interpret`` fixture sets it again for each test of this module. Shapes are tiny because
+the interpreter runs every program in numpy.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import kv_compact_ref, kv_compact_triton, tree_attention_ref, tree_attention_triton
+from vllm_clover.tree import accepted_kv_moves, buffers_from_parents, get_tree, positions_to_slots
 
 INTERPRET = not torch.cuda.is_available()
-_saved_interpret = os.environ.get("TRITON_INTERPRET")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import (kv_compact_ref, kv_compact_triton, tree_attention_ref,  # noqa: E402
-                     tree_attention_triton)
-from vllm_clover.tree import (accepted_kv_moves, buffers_from_parents, get_tree,  # noqa: E402
-                              positions_to_slots)
 
 try:
     import triton  # noqa: F401
@@ -37,11 +28,6 @@ except Exception as exc:  # pragma: no cover - depends on the install
     TRITON_ERROR = f"triton import failed: {exc!r}"
 needs_triton = pytest.mark.skipif(TRITON_ERROR is not None, reason=TRITON_ERROR or "")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-if INTERPRET:  # restore the session's environment (see the module docstring)
-    if _saved_interpret is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_interpret
 
 
 @pytest.fixture(autouse=True)
