@@ -127,6 +127,72 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
     assert torch.all(outs["1"][~touched] == 7.0)
 
 
+@pytest.mark.parametrize("with_chain", [False, True], ids=["tree-rows-only", "tree-and-chain"])
+def test_hook_on_vllm_cpu_attention(with_chain: bool, monkeypatch) -> None:
+    """vLLM's own CPU_ATTN forward under our hook (runner_hooks.install_tree_attention): the
+    tree request's rows equal dense ancestor-masked attention, a chain request's rows vLLM's
+    causal result; vLLM's causal kernel runs only when some row is not a tree row (when
+    tree rows are every row, its output would be overwritten, so it is skipped)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    from vllm_clover.runner_hooks import install_tree_attention
+    from vllm_clover.tree_verify import set_active_step
+
+    install_tree_attention()
+    calls = []
+    native = ops.cpu_attention_with_kv_cache
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", lambda **kw: calls.append(1) or native(**kw))
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, block, nb = 9, 3, 64, 32, 8
+    n1 = TREE.num_nodes + 1
+    # (batch row, prefix, scheduled rows): a chain request of 3 rows, then the tree request.
+    reqs = ([(0, 37, 3)] if with_chain else []) + [(len([0] if with_chain else []), 20, n1)]
+    table = torch.randperm(nb, generator=g).to(torch.int32).view(2, 4)[: len(reqs)]
+    kv = torch.zeros(nb, hkv, block, 2 * d)
+    key_cache, value_cache = kv.view(nb, hkv, 2 * block, d).chunk(2, dim=2)
+    qsl, seq_lens, ks, vs, tree_req = [0], [], [], [], None
+    for row, prefix, rows in reqs:
+        k, v = torch.randn(prefix + rows, hkv, d, generator=g), torch.randn(prefix + rows, hkv, d, generator=g)
+        pos = torch.arange(prefix + rows)
+        slots = table[row].long()[pos // block] * block + pos % block
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        ks.append(k), vs.append(v), seq_lens.append(prefix + rows), qsl.append(qsl[-1] + rows)
+        if rows == n1:
+            tree_req = TreeRequest(index=row, start=qsl[-2], root=prefix, buffers=TREE.buffers(1), slots=slots[prefix:])
+    t = qsl[-1]
+    query = torch.randn(t, hq, d, generator=g)
+    qsl_t, seq_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(reqs), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq_t, dtype=torch.float32,
+        query_start_loc=qsl_t, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+        dynamic_causal=None, kv_cache_dtype="auto")
+    meta = cpu_attn.CPUAttentionMetadata(num_actual_tokens=t, max_query_len=max(r for *_, r in reqs), query_start_loc=qsl_t,
+                                max_seq_len=max(seq_lens), seq_lens=seq_t, block_table=table, slot_mapping=None,
+                                scheduler_metadata=sched)
+    # The impl reads only the model dtype from the current config (zentorch SDPA or not).
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    impl = cpu_attn.CPUAttentionBackendImpl(hq, d, 1 / math.sqrt(d), hkv, None, None, "auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    output = torch.full((t, hq * d), 7.0)
+    set_active_step(TreeStep(num_tokens=t, requests=[tree_req]))
+    try:
+        impl.forward(layer, query, None, None, kv, meta, output)
+    finally:
+        set_active_step(None)
+    assert len(calls) == (1 if with_chain else 0)
+    for (row, prefix, rows), k, v, start in zip(reqs, ks, vs, qsl):
+        mask = torch.ones(rows, prefix + rows, dtype=torch.bool).tril(prefix)
+        if rows == n1:
+            mask[:, prefix:] = TREE.buffers(1).ancestor_mask[0]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            query[start:start + rows].transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
+            v.repeat_interleave(hq // hkv, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(output[start:start + rows].view(rows, hq, d), ref, atol=1e-4, rtol=1e-4)
+
+
 # ============================================================================ sampler
 @pytest.fixture(scope="module")
 def vllm_sampler():

@@ -563,7 +563,9 @@ CATALOGUE: list[Patch] = [
             "vLLM's CPU and FlashAttention kernels know only causal masks. While a tree plan is active "
             "(target forward of a tree step, never Clover's trunk), the rows of tree requests "
             "are recomputed with their ancestor mask over the paged KV (tree_verify.tree_attention_rows)."
-            " A no-op in every engine without a tree plan."
+            " On CPU, when tree rows are every row of the step, the causal kernel is skipped "
+            "(its output would be overwritten; it writes nothing else). A no-op in every engine "
+            "without a tree plan."
         ),
         remove_when="vLLM's CPU attention takes arbitrary masks, or vLLM verifies trees itself",
         apply=_install_tree_attention,

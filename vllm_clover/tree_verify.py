@@ -90,6 +90,11 @@ class TreeStep:
     def __post_init__(self) -> None:
         self.by_index = {r.index: r for r in self.requests}
 
+    @property
+    def covers_all_rows(self) -> bool:
+        """True when every scheduled row of the step is a tree request's row."""
+        return sum(r.buffers.width for r in self.requests) == self.num_tokens
+
 
 _ACTIVE: TreeStep | None = None
 
