@@ -161,7 +161,10 @@ def wrap_tree_attention(orig: Callable[..., Any], skip_covered: bool = False) ->
                 or getattr(layer, "clover_trunk", False) or self.attn_type != "decoder"):
             return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         result = output
-        if not (skip_covered and step.covers_all_rows):
+        # Extra arguments (output_scale, output_block_scale: fused output quantisation, which
+        # the backend refuses) go to the backend, never skipped.
+        extras = any(a is not None for a in (*args, *kwargs.values()))
+        if not (skip_covered and step.covers_all_rows) or extras:
             result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         tree_attention_rows(self, query, kv_cache, attn_metadata, output, step)
         return result
