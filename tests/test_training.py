@@ -138,6 +138,37 @@ def test_resume_after_interruption_gives_identical_weights(tiny_target, convs_fi
                 progress=False)
 
 
+def test_init_from_trained_heads_starts_from_their_weights(tiny_target, convs_file, tmp_path) -> None:
+    first = tmp_path / "first"
+    T.train(_args(tiny_target, convs_file, first), progress=False)
+    # lr 0: AdamW's update and its decoupled weight decay (lr * wd) both vanish, so the
+    # continued run must end exactly where its initial weights came from; a run with a
+    # nonzero lr starting there must move away from them.
+    frozen = tmp_path / "frozen"
+    T.train(_args(tiny_target, convs_file, frozen, init_from=str(first), lr=0.0,
+                  token_value_init="matched"), progress=False)
+    a, b = load_file(str(first / "model.safetensors")), load_file(str(frozen / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    moved = tmp_path / "moved"
+    report = T.train(_args(tiny_target, convs_file, moved, init_from=str(first)), progress=False)
+    assert report["args"]["init_from"] == str(first)
+    c = load_file(str(moved / "model.safetensors"))
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    # Clover-2 shares one head's weights across draft positions, so the layer count is what
+    # changes the shape.
+    with pytest.raises(T.TrainingError, match="does not match this run's shape"):
+        T.train(_args(tiny_target, convs_file, tmp_path / "o1", init_from=str(first), num_layers=1),
+                progress=False)
+    with pytest.raises(T.TrainingError, match="clover2 heads, this run trains clover"):
+        T.train(_args(tiny_target, convs_file, tmp_path / "o2", init_from=str(first), variant="clover"),
+                progress=False)
+    with pytest.raises(T.TrainingError, match="--init-from applies to --method clover only"):
+        T.train(_args(tiny_target, convs_file, tmp_path / "o3", init_from=str(first), method="eagle"),
+                progress=False)
+    assert "--init-from" in _cli_error(["train", "--target", str(tiny_target), "--data", str(convs_file),
+                                        "--init-from", str(tmp_path / "none"), "--out", str(tmp_path / "o4")])
+
+
 # ----------------------------------------------------------------------------- evaluation
 def test_chain_acceptance_known_answers() -> None:
     """Oracle drafts (the target's own greedy tokens) are all accepted; wrong ones never."""

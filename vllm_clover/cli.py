@@ -57,16 +57,26 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 # the same without the datastore on average in 2 runs on 2 machines (3 of their 4 repeats).
 SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                          "datastore": "datastore.npz", "disable_by_batch_size": 3}
+# CPUs with AVX-512, where verify rows are nearly free (cpu_env.cheap_verify_rows): the top-2
+# first tokens, each with its top-1 child, + 5 lookup tokens, 10 verify tokens per request.
+# Measured ahead of chain2 in every repeat compiled (README "A larger tree when rows are free").
+SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
 # GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
 SHIPPED_SERVE_OPTIONS_GPU = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
 SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",
               "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
 
 
+def shipped_serve_options() -> dict:
+    """The Clover options the shipped heads are served with on this platform and CPU."""
+    if not cpu_env.is_cpu_platform():
+        return SHIPPED_SERVE_OPTIONS_GPU
+    return SHIPPED_SERVE_OPTIONS_AVX512 if cpu_env.cheap_verify_rows() else SHIPPED_SERVE_OPTIONS
+
+
 def default_clover_config(heads: Path) -> str:
     """The ``--speculative-config`` JSON for the shipped heads in ``heads`` on this platform."""
-    options = SHIPPED_SERVE_OPTIONS if cpu_env.is_cpu_platform() else SHIPPED_SERVE_OPTIONS_GPU
-    return json.dumps({"method": "clover", "model": str(heads), **options})
+    return json.dumps({"method": "clover", "model": str(heads), **shipped_serve_options()})
 
 
 def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover: bool = True) -> list[str]:
@@ -146,7 +156,7 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
         batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
         save_every=args.save_every, train_vocab=args.train_vocab, feature_cache=args.feature_cache,
         distill_max_new_tokens=args.distill_max_new_tokens, keep_checkpoint=args.keep_checkpoint,
-        token_value_init=args.token_value_init, compute_dtype=resolve_compute_dtype(args.compute_dtype),
+        token_value_init=args.token_value_init, init_from=args.init_from, compute_dtype=resolve_compute_dtype(args.compute_dtype),
         command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
@@ -252,6 +262,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--token-value-init", choices=["official", "matched"], default="official",
                    help="Attention Decoder value init: official U(0, 0.01), or s*I with s matching "
                         "the state's scale to the embeddings' (docs/training.md)")
+    p.add_argument("--init-from", default=None, metavar="HEADS_DIR",
+                   help="clover: start from these trained heads (same target and shape) instead of "
+                        "the target-derived init, e.g. to continue on more data")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (on a shared 2-core machine 1 is about as fast as 2)")

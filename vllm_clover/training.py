@@ -282,6 +282,32 @@ def build_drafter_for_target(target: Path, target_config: dict[str, Any], varian
     return drafter, config
 
 
+def load_trained_heads(drafter: CloverDrafter, heads_dir: str | os.PathLike,
+                       target_config: dict[str, Any]) -> None:
+    """Copy the weights of trained Clover heads (a ``save_drafter`` directory) into ``drafter``.
+
+    The heads must be for this target and of the same shape (variant, heads, layers); any
+    difference is refused with one line naming it, never silently skipped.
+    """
+    from .checkpoint import CloverCheckpointError, load_drafter
+
+    try:
+        trained = load_drafter(heads_dir, target_config)
+    except (CloverCheckpointError, OSError) as exc:
+        raise TrainingError(f"--init-from: {exc}") from None
+    mine, theirs = drafter.state_dict(), trained.state_dict()
+    if trained.config.variant != drafter.config.variant:
+        raise TrainingError(f"--init-from: {heads_dir} holds {trained.config.variant} heads, "
+                            f"this run trains {drafter.config.variant}")
+    diff = sorted(k for k in mine.keys() | theirs.keys()
+                  if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if diff:
+        raise TrainingError(f"--init-from: {heads_dir} does not match this run's shape "
+                            f"(--num-layers, or Clover-1's --num-heads): tensor(s) {', '.join(diff[:4])}"
+                            f"{' ...' if len(diff) > 4 else ''} differ")
+    drafter.load_state_dict({k: v.to(mine[k].dtype) for k, v in theirs.items()})
+
+
 def build_model_for_target(args: TrainArgs, target: Path, target_config: dict[str, Any]):
     """(model, config) for ``args.method``, float32, unbound; call after seeding the RNGs."""
     if args.method == "clover":
@@ -511,6 +537,9 @@ class TrainArgs:
     v_w: float = 10.0
     p_w: float = 1.0
     token_value_init: str = "official"  # or "matched": match_token_value_scale (docs/training.md)
+    # Start from these trained Clover heads instead of the target-derived init (fine-tuning
+    # on more data; docs/training.md "Continuing from trained heads").
+    init_from: str | None = None
     keep_checkpoint: bool = False
     command: str = ""
 
@@ -601,6 +630,8 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         raise TrainingError(f"--variant must be clover2 or clover, got {args.variant!r}")
     if (args.epochs is None) == (args.steps is None):
         raise TrainingError("give exactly one of --epochs or --steps")
+    if args.init_from is not None and args.method != "clover":
+        raise TrainingError("--init-from applies to --method clover only")
     out = Path(args.out).expanduser()
     state_path = out / CHECKPOINT_DIR / STATE_FILE
     if resume and not state_path.is_file():
@@ -633,6 +664,9 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     random.seed(args.seed)
     np.random.seed(args.seed)
     drafter, config = build_model_for_target(args, target, target_config)
+    if args.init_from is not None:
+        load_trained_heads(drafter, args.init_from, target_config)
+        _log(f"initialised from the trained heads in {args.init_from}")
     norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
     if args.method == "clover":
         # E = lm_head weight as in the official code; the LM-head products run in compute_dtype.
@@ -642,7 +676,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     lm_head_compute = lm_head.to(getattr(torch, args.compute_dtype))
     vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size) if args.train_vocab else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
-    if args.token_value_init == "matched":
+    if args.token_value_init == "matched" and args.init_from is None:
         first = collate_features([ds[i] for i in plan.epoch(0)[0]])
         scales = match_token_value_scale(drafter, token_state_rms(drafter, first), rms(drafter.embed_weight))
         _log("token value projections initialised as s*I: " + ", ".join(f"{k} s={v:.1f}" for k, v in scales.items()))
