@@ -40,11 +40,19 @@ def default_with_heads(monkeypatch, tmp_path):
     return heads
 
 
-def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads) -> None:
+@pytest.mark.parametrize("flags, options", [
+    ({"avx2", "fma"}, cli.SHIPPED_SERVE_OPTIONS),
+    ({"avx2", "avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
+])
+def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, monkeypatch, flags,
+                                                            options) -> None:
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
     argv = cli.serve_argv(None, "h", 1, [])
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "clover", "model": str(default_with_heads), **cli.SHIPPED_SERVE_OPTIONS}
+    assert spec == {"method": "clover", "model": str(default_with_heads), **options}
     assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+    # AVX-512: a 4-node tree and room for all 5 lookup tokens (1 root + 4 + 5 = 10 rows).
+    assert options["tree"] == ("small_4" if "avx512f" in flags else "chain2")
 
 
 def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> None:

@@ -47,10 +47,10 @@ def _spec_config(ckpt: Path, tree: bool = False) -> dict:
     """The serve defaults; with ``tree``, the small_10 tree with 3 prompt-lookup nodes
     instead of K and the batch-size cut-off, and a token budget that keeps the tree for the
     whole batch (the scheduler's 256-token budget then truncates drafts to BFS prefixes)."""
-    from vllm_clover.cli import SHIPPED_SERVE_OPTIONS
+    from vllm_clover.cli import shipped_serve_options
     from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
 
-    options = dict(SHIPPED_SERVE_OPTIONS)
+    options = dict(shipped_serve_options())  # this CPU's: chain2, or small_4 with AVX-512
     if not (ckpt / DRAFT_VOCAB_FILE).is_file():
         options.pop("draft_vocab_size")
     if not (ckpt / options["datastore"]).is_file():  # a fallback drafter ships no datastore
