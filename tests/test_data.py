@@ -324,7 +324,7 @@ def test_feature_cache_resumes_missing_shards(tiny_model: Path, tmp_path: Path, 
     (cache / F.MANIFEST).write_text(json.dumps(manifest))
     computed = []
     real = F._compute_shard
-    monkeypatch.setattr(F, "_compute_shard", lambda d, n, seqs, b: computed.append(len(seqs)) or real(d, n, seqs, b))
+    monkeypatch.setattr(F, "_compute_shard", lambda d, n, seqs, *rest: computed.append(len(seqs)) or real(d, n, seqs, *rest))
     F.extract_features(tiny_model, convs, cache, **kw)
     assert len(computed) == 1 and F.read_manifest(cache)["complete"]
     assert {p.name: p.read_bytes() for p in cache.glob("shard_*")} == before

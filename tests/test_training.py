@@ -109,6 +109,7 @@ def test_train_loss_falls_and_writes_loadable_drafter(tiny_target, convs_file, t
     assert report["data"]["num_conversations_kept"] == 8 and report["steps"] == 30
     saved = json.loads((out / "training.json").read_text())
     assert saved["wall_time_s"]["training"] > 0 and len(saved["final_train_metrics"]["acc_per_head"]) == 3
+    assert saved["device"] == "cpu" and saved["args"]["device"] == "cpu"
     assert not (out / "checkpoint").exists()  # removed after a finished run
     tensors = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
@@ -166,7 +167,8 @@ def test_init_from_trained_heads_starts_from_their_weights(tiny_target, convs_fi
         T.train(_args(tiny_target, convs_file, tmp_path / "o3", init_from=str(first), method="eagle"),
                 progress=False)
     assert "--init-from" in _cli_error(["train", "--target", str(tiny_target), "--data", str(convs_file),
-                                        "--init-from", str(tmp_path / "none"), "--out", str(tmp_path / "o4")])
+                                        "--init-from", str(tmp_path / "none"), "--out", str(tmp_path / "o4"),
+                                        "--feature-cache", str(tmp_path / "o4-features")])
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -229,6 +231,23 @@ def test_compute_dtype_auto_is_float32_without_avx512(monkeypatch) -> None:
     monkeypatch.setattr(cpu_env, "cpu_flags", lambda: {"avx512f"})
     assert cli.resolve_compute_dtype("auto") == "bfloat16"
     assert cli.resolve_compute_dtype("float32") == "float32"
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: {"avx2"})
+    assert cli.resolve_compute_dtype("auto", "cuda") == "bfloat16"  # a GPU: bf16 whatever the CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_train_device_refused_with_one_line_when_absent(tiny_target, convs_file, tmp_path) -> None:
+    """--device cuda without a GPU (and unknown devices) fail before any data work, naming it."""
+    assert T.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(T.TrainingError, match="sees no CUDA device"):
+        T.resolve_device("cuda")
+    with pytest.raises(T.TrainingError, match="only cpu and cuda"):
+        T.resolve_device("meta")
+    with pytest.raises(T.TrainingError, match="not a torch device"):
+        T.resolve_device("gpu0")
+    assert "--device cuda" in _cli_error(["train", "--target", str(tiny_target), "--data", str(convs_file),
+                                          "--device", "cuda", "--out", str(tmp_path / "o"),
+                                          "--feature-cache", str(tmp_path / "o-features")])
 
 
 def test_train_bad_inputs_give_one_line(tiny_target, convs_file, tmp_path) -> None:

@@ -134,12 +134,13 @@ def _cmd_patches(args: argparse.Namespace, extra: list[str]) -> None:
     print(patches.describe())
 
 
-def resolve_compute_dtype(choice: str) -> str:
-    """``train --compute-dtype``: "auto" is bfloat16 where bf16 products are fast (AVX-512),
-    else float32 (8x faster than bf16 on an AVX2-only CPU, measured: docs/training.md)."""
+def resolve_compute_dtype(choice: str, device: str = "cpu") -> str:
+    """``train --compute-dtype``: "auto" is bfloat16 on a GPU and where bf16 products are fast
+    on the CPU (AVX-512), else float32 (8x faster than bf16 on an AVX2-only CPU, measured:
+    docs/training.md)."""
     if choice != "auto":
         return choice
-    return "bfloat16" if cpu_env.fast_bf16_matmul() else "float32"
+    return "bfloat16" if not device.startswith("cpu") or cpu_env.fast_bf16_matmul() else "float32"
 
 
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
@@ -156,7 +157,8 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
         batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
         save_every=args.save_every, train_vocab=args.train_vocab, feature_cache=args.feature_cache,
         distill_max_new_tokens=args.distill_max_new_tokens, keep_checkpoint=args.keep_checkpoint,
-        token_value_init=args.token_value_init, init_from=args.init_from, compute_dtype=resolve_compute_dtype(args.compute_dtype),
+        token_value_init=args.token_value_init, init_from=args.init_from,
+        compute_dtype=resolve_compute_dtype(args.compute_dtype, args.device), device=args.device,
         command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
@@ -268,6 +270,9 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (on a shared 2-core machine 1 is about as fast as 2)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: where the target features are computed and the heads "
+                        "trained (self-distillation always runs in vLLM)")
     p.add_argument("--out", required=True, help="output drafter directory")
     p.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
@@ -277,8 +282,8 @@ def _add_train_parser(sub) -> None:
                    help="folder for the feature caches (default: $VLLM_CLOVER_CACHE/features)")
     p.add_argument("--distill-max-new-tokens", type=int, default=256)
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="target features and training products; auto: bfloat16 on AVX-512 CPUs, "
-                        "else float32 (bf16 is ~8x slower on AVX2)")
+                   help="target features and training products; auto: bfloat16 on a GPU and on "
+                        "AVX-512 CPUs, else float32 (bf16 is ~8x slower on AVX2)")
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_train)
 

@@ -250,7 +250,8 @@ def prenorm_hidden(decoder, norm: torch.nn.Module, input_ids: torch.Tensor,
     return captured[0]
 
 
-def _compute_shard(decoder, norm, seqs: Sequence[_Seq], batch_tokens: int) -> dict[str, torch.Tensor]:
+def _compute_shard(decoder, norm, seqs: Sequence[_Seq], batch_tokens: int,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
     lengths = [len(s.input_ids) for s in seqs]
     hidden: list[torch.Tensor | None] = [None] * len(seqs)
     for batch in _length_batches(lengths, batch_tokens):
@@ -260,10 +261,10 @@ def _compute_shard(decoder, norm, seqs: Sequence[_Seq], batch_tokens: int) -> di
         for row, i in enumerate(batch):
             ids[row, : lengths[i]] = torch.from_numpy(seqs[i].input_ids.astype(np.int64))
             att[row, : lengths[i]] = 1
-        out = prenorm_hidden(decoder, norm, ids, att)
+        out = prenorm_hidden(decoder, norm, ids.to(device), att.to(device)).to(torch.bfloat16).cpu()
         for row, i in enumerate(batch):
             # Right padding + causal attention: real positions never see the padding.
-            hidden[i] = out[row, : lengths[i]].to(torch.bfloat16)
+            hidden[i] = out[row, : lengths[i]]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return {
         "input_ids": torch.from_numpy(np.concatenate([s.input_ids for s in seqs])),
@@ -331,6 +332,7 @@ def extract_features(
     overwrite: bool = False,
     num_threads: int | None = None,
     verbose: bool = True,
+    device: str = "cpu",
 ) -> Path:
     """Compute (or reuse) the feature cache for ``convs`` in ``out_dir``; returns ``out_dir``.
 
@@ -339,7 +341,9 @@ def extract_features(
     ``batch_tokens`` bounds padded tokens per forward. ``data_source`` is a label recorded in
     the manifest (e.g. ``"sharegpt_v3:train[:2000]"``). ``num_threads`` sets torch's thread
     count for the forward (on a CPU shared with other jobs, 1 thread can beat 2: idle OpenMP
-    threads spin). See the module docstring for reuse, resume and mismatch rules.
+    threads spin). ``device`` runs the target forward there (``"cuda"``: the same features up
+    to float rounding; not part of the cache key). See the module docstring for reuse, resume
+    and mismatch rules.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -410,11 +414,12 @@ def extract_features(
         if num_threads:
             torch.set_num_threads(num_threads)
         try:
-            _model, decoder, norm = load_target_for_features(model_dir, dtype)
+            model, decoder, norm = load_target_for_features(model_dir, dtype)
+            model.to(device)
             for s in todo:
                 start = time.perf_counter()
                 part = seqs[s["first_sequence"]: s["first_sequence"] + s["num_sequences"]]
-                _atomic_save_shard(out / s["file"], _compute_shard(decoder, norm, part, batch_tokens))
+                _atomic_save_shard(out / s["file"], _compute_shard(decoder, norm, part, batch_tokens, device))
                 if verbose:
                     secs = time.perf_counter() - start
                     print(f"[vllm-clover] {out / s['file']}: {s['num_tokens']} tokens in {secs:.1f} s "
@@ -591,7 +596,7 @@ def shifted_postnorm_targets(x: torch.Tensor, lengths: torch.Tensor, weight: tor
                              eps: float) -> torch.Tensor:
     """h̄_{t+1} = RMSNorm(x_{t+1}) at position t: x [B,T,H] -> [B,T,H] float32, zero at each
     sequence's last position and on padding (matches ``input_ids_shifted``/``loss_mask``)."""
-    target = torch.zeros(x.shape, dtype=torch.float32)
+    target = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     target[:, :-1] = rms_norm(x[:, 1:], weight, eps)
-    valid = torch.arange(x.shape[1])[None, :] < (lengths[:, None] - 1)
+    valid = torch.arange(x.shape[1], device=x.device)[None, :] < (lengths[:, None] - 1)
     return target * valid[..., None]

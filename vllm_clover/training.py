@@ -250,8 +250,8 @@ class FeatureChunks:
 
 
 def build_feature_chunks(target: Path, chunks: Sequence[Sequence[Conversation]], label: str, max_len: int,
-                         dtype: str, threads: int | None, root: str | os.PathLike | None = None
-                         ) -> tuple[FeatureChunks, list[Path]]:
+                         dtype: str, threads: int | None, root: str | os.PathLike | None = None,
+                         device: str = "cpu") -> tuple[FeatureChunks, list[Path]]:
     """Compute (or reuse) one feature cache per chunk; returns the combined dataset and dirs."""
     from .features import extract_features
 
@@ -259,7 +259,7 @@ def build_feature_chunks(target: Path, chunks: Sequence[Sequence[Conversation]],
     for k, convs in enumerate(chunks):
         d = feature_cache_dir(target, convs, max_len, dtype, root)
         extract_features(target, convs, d, max_len=max_len, dtype=dtype, data_source=f"{label} chunk {k}",
-                         num_threads=threads or None)
+                         num_threads=threads or None, device=device)
         dirs.append(d)
     return FeatureChunks(dirs), dirs
 
@@ -393,7 +393,7 @@ def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_he
             del t_logits
         for i in range(k):
             idx = rows_idx[i]
-            lo, hi = (int(v) for v in torch.searchsorted(idx, torch.tensor([r0, r1])))
+            lo, hi = (int(v) for v in torch.searchsorted(idx, torch.tensor([r0, r1], device=idx.device)))
             if hi <= lo:
                 continue
             sel = idx[lo:hi] - r0
@@ -540,11 +540,14 @@ class TrainArgs:
     # Start from these trained Clover heads instead of the target-derived init (fine-tuning
     # on more data; docs/training.md "Continuing from trained heads").
     init_from: str | None = None
+    # Where features are computed and the drafter trained: "cpu" or a CUDA device ("cuda",
+    # "cuda:1"). Same loss and data; only the speed (and float rounding) differ.
+    device: str = "cpu"
     keep_checkpoint: bool = False
     command: str = ""
 
     # Fields that may differ between an interrupted run and its resumption.
-    _RESUME_FREE = ("threads", "save_every", "keep_checkpoint", "command", "feature_cache")
+    _RESUME_FREE = ("threads", "save_every", "keep_checkpoint", "command", "feature_cache", "device")
 
     def resume_key(self) -> dict[str, Any]:
         d = asdict(self)
@@ -554,6 +557,40 @@ class TrainArgs:
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.pt"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device``: a torch device that exists here; :class:`TrainingError` naming why not."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainingError(f"--device {name!r} is not a torch device (use cpu or cuda[:N])") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise TrainingError(f"--device {name!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise TrainingError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device")
+    index = device.index or 0
+    if index >= torch.cuda.device_count():
+        raise TrainingError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return torch.device("cuda", index)
+
+
+def device_name(device: torch.device) -> str:
+    """What training.json records as the device: "cpu" or the GPU's name."""
+    return "cpu" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """A ``collate_features`` batch on ``device`` (no copy on CPU)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def loss_chunk_rows(device: torch.device) -> int:
+    """Rows per LM-head chunk in :func:`clover_loss_backward`: small on CPU (bounded memory,
+    no speed cost), large on a GPU where each chunk's kernel launches and syncs dominate."""
+    return 1024 if device.type == "cpu" else 16384
 
 
 def _rng_state() -> dict[str, Any]:
@@ -632,6 +669,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         raise TrainingError("give exactly one of --epochs or --steps")
     if args.init_from is not None and args.method != "clover":
         raise TrainingError("--init-from applies to --method clover only")
+    device = resolve_device(args.device)
     out = Path(args.out).expanduser()
     state_path = out / CHECKPOINT_DIR / STATE_FILE
     if resume and not state_path.is_file():
@@ -655,7 +693,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
 
     t0 = time.perf_counter()
     ds, cache_dirs = build_feature_chunks(target, chunks, label, args.max_len, args.compute_dtype,
-                                          args.threads, args.feature_cache)
+                                          args.threads, args.feature_cache, str(device))
     t_features = time.perf_counter() - t0
     data_info = {"source": label, "feature_caches": [str(d) for d in cache_dirs], **ds.data_info()}
 
@@ -668,16 +706,18 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         load_trained_heads(drafter, args.init_from, target_config)
         _log(f"initialised from the trained heads in {args.init_from}")
     norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
+    norm_w, lm_head, embed = (t.to(device) for t in (norm_w, lm_head, embed))
+    drafter.to(device)
     if args.method == "clover":
         # E = lm_head weight as in the official code; the LM-head products run in compute_dtype.
         drafter.bind_target(lm_head)
     else:
         drafter.bind_target(lm_head, embed)  # EAGLE reads the target's embedding, as vLLM shares it
     lm_head_compute = lm_head.to(getattr(torch, args.compute_dtype))
-    vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size) if args.train_vocab else None
+    vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size).to(device) if args.train_vocab else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
     if args.token_value_init == "matched" and args.init_from is None:
-        first = collate_features([ds[i] for i in plan.epoch(0)[0]])
+        first = to_device(collate_features([ds[i] for i in plan.epoch(0)[0]]), device)
         scales = match_token_value_scale(drafter, token_state_rms(drafter, first), rms(drafter.embed_weight))
         _log("token value projections initialised as s*I: " + ", ".join(f"{k} s={v:.1f}" for k, v in scales.items()))
     total_steps = args.steps if args.steps is not None else plan.steps_for_epochs(args.epochs)
@@ -689,7 +729,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup_decay(warmup, total_steps))
     step, history, elapsed_before = 0, [], 0.0
     if resume:
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        state = torch.load(state_path, map_location=device, weights_only=False)
         if state["args"] != args.resume_key():
             diff = sorted(k for k in args.resume_key() if state["args"].get(k) != args.resume_key()[k])
             raise TrainingError(f"--resume: {state_path} was made with different settings ({', '.join(diff)})")
@@ -716,7 +756,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         while step < total_steps:
             epoch, j = plan.locate(step)
             wall0, cpu0 = time.perf_counter(), time.process_time()
-            batch = collate_features([ds[i] for i in plan.epoch(epoch)[j]])
+            batch = to_device(collate_features([ds[i] for i in plan.epoch(epoch)[j]]), device)
             record = train_step(drafter, optimizer, scheduler, batch, norm_w, eps, lm_head_compute, vocab, args)
             step += 1
             done_here += 1
@@ -743,6 +783,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     t_train = elapsed_before + time.perf_counter() - t_loop
 
     # ---- final artefacts
+    drafter.cpu()
     save_model(out, drafter, config, args.method, target, target_config)
     if args.method == "clover":
         from .draft_vocab import save_draft_vocab, token_ranking
@@ -754,6 +795,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
         "args": asdict(args),
         "target": {"dir": str(target), "architecture": (target_config.get("architectures") or [None])[0],
                    "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
+        "device": device_name(device),
         "data": data_info,
         "steps": total_steps,
         "warmup_steps": warmup,
@@ -795,14 +837,14 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
     else:
         x = batch["x"].float()
     target_hidden = shifted_postnorm_targets(batch["x"], batch["lengths"], norm_w, eps)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.compute_dtype == "bfloat16"):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.compute_dtype == "bfloat16"):
         outputs = drafter.forward_train(x, batch["input_ids_shifted"], batch["attention_mask"])
     optimizer.zero_grad(set_to_none=True)
     step_vocab = None if vocab is None else batch_vocab(
         vocab, target_hidden, batch["loss_mask"], batch["input_ids"], lm_head)
     decay, v_w, p_w = loss_settings(args)
     loss, m = clover_loss_backward(outputs, target_hidden, lm_head, batch["loss_mask"],
-                                   decay, v_w, p_w, vocab=step_vocab)
+                                   decay, v_w, p_w, vocab=step_vocab, chunk_rows=loss_chunk_rows(x.device))
     torch.nn.utils.clip_grad_value_([p for p in drafter.parameters() if p.requires_grad],
                                     args.grad_clip_value)
     optimizer.step()
