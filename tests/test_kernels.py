@@ -274,3 +274,18 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="VLLM_CLOVER_TREE_KERNELS"):
         kernels.backend_for(cpu)
+
+
+@needs_triton
+def test_kernel_benchmark_runs_and_backends_agree(capsys):
+    """benchmarks/bench_kernels.py (run on the GPU for docs/trees-and-kernels.md) on toy
+    shapes: every row is printed, the outputs agree and the compaction matches."""
+    from benchmarks.bench_kernels import main
+
+    main(["--tiny"])
+    lines = capsys.readouterr().out.splitlines()
+    attn = [ln for ln in lines if ln.startswith("2 40 small_10")]
+    comp = [ln for ln in lines if ln.startswith("2 3 2 16")]
+    assert len(attn) == 1 and len(comp) == 1
+    assert float(attn[0].rsplit("|", 1)[1]) < 1e-4
+    assert comp[0].rstrip().endswith("True")
