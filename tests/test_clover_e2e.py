@@ -47,8 +47,11 @@ SHIPPED_DATASTORE = (Path(__file__).resolve().parents[1]
                      / "vllm_clover/heads/smollm2-135m-instruct-clover2/datastore.npz")
 # Tree mode: 9 nodes (3 / 3 / 2 / 1 per depth); the budget keeps the tree at 16 requests.
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
-MODES = {"chain": {"num_speculative_tokens": K}, "tree": {"tree": TREE, "tree_token_budget": 512},
-         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512,
+# draft_dtype float32: the wiring tests compare drafts exactly with the float32 reference
+# (bfloat16 products, the default on AVX512-BF16 CPUs, are checked in the lossless suite).
+MODES = {"chain": {"num_speculative_tokens": K, "draft_dtype": "float32"},
+         "tree": {"tree": TREE, "tree_token_budget": 512, "draft_dtype": "float32"},
+         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512, "draft_dtype": "float32",
                      "prompt_lookup_tokens": 3, "datastore": str(SHIPPED_DATASTORE)}}
 NUM_SPEC = {"chain": K, "tree": len(TREE), "dynamic": 8 + 3}
 # Sampling test prompt: the sensitized drafter's heads are fitted to its continuations

@@ -52,3 +52,47 @@ def test_pack_linears_keeps_the_drafter_outputs() -> None:
 def test_packed_linear_refuses_a_non_matrix() -> None:
     with pytest.raises(ValueError, match="2-D weight"):
         PackedLinear(torch.randn(3))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_in_bfloat16_takes_and_gives_float32(bias: bool) -> None:
+    """compute_dtype=bfloat16: float32 in and out, the product over bfloat16 copies (as
+    F.linear over bfloat16-rounded operands), the bias added in float32."""
+    torch.manual_seed(2)
+    w, b = torch.randn(96, 64), torch.randn(96) if bias else None
+    x = torch.randn(3, 64)
+    got = PackedLinear(w, b, compute_dtype=torch.bfloat16)(x)
+    assert got.dtype == torch.float32
+    want = nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(), b)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
+    # Far from the float32 product's own rounding, so the bfloat16 path really ran.
+    assert not torch.equal(got, PackedLinear(w, b)(x))
+
+
+def test_pack_linears_in_bfloat16_stays_close() -> None:
+    torch.manual_seed(3)
+    cfg = CloverConfig(hidden_size=64, vocab_size=100, num_heads=2, num_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    drafter = CloverDrafter(cfg).eval()
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.05)
+    drafter.bind_target(torch.randn(100, 64) * 0.1)
+    x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))
+    with torch.inference_mode():
+        ref = drafter.head_step(x, prev, 1)
+        pack_linears(drafter, torch.bfloat16)
+        got = drafter.head_step(x, prev, 1)
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+def test_draft_matmul_dtype_resolution() -> None:
+    from vllm_clover.cpu_linear import draft_matmul_dtype, native_bf16_matmul
+
+    auto = torch.bfloat16 if native_bf16_matmul() else torch.float32
+    assert draft_matmul_dtype("auto", torch.float32) == auto
+    assert draft_matmul_dtype("auto", torch.bfloat16) == torch.bfloat16  # already half the bytes
+    assert draft_matmul_dtype("float32", torch.float32) == torch.float32
+    assert draft_matmul_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert draft_matmul_dtype("float32", torch.bfloat16) == torch.float32

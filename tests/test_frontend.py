@@ -56,6 +56,7 @@ def _edit_config(directory: Path, **changes) -> None:
     {"method": "clover", "model": "{dir}", "num_speculative_tokens": 3},
     {"model": "clover:{dir}", "num_speculative_tokens": 3},
     {"method": "clover", "model": "clover:{dir}", "num_speculative_tokens": 3, "draft_sampling": "greedy"},
+    {"method": "clover", "model": "{dir}", "num_speculative_tokens": 3, "draft_dtype": "bfloat16"},
 ])
 def test_clover_spec_becomes_medusa_with_clover_options(default_model_dir, clover_ckpt_dir, spec) -> None:
     spec = {k: v.format(dir=clover_ckpt_dir) if isinstance(v, str) else v for k, v in spec.items()}
@@ -66,6 +67,7 @@ def test_clover_spec_becomes_medusa_with_clover_options(default_model_dir, clove
     assert sc.draft_model_config.hf_config.architectures == ["CloverForSpeculativeDecoding"]
     opts = config.additional_config["clover"]
     assert opts["draft_sampling"] == spec.get("draft_sampling", "sample")
+    assert opts["draft_dtype"] == spec.get("draft_dtype", "auto")
     from vllm_clover.frontend import is_clover_vllm_config
 
     assert is_clover_vllm_config(config)
@@ -193,6 +195,21 @@ def test_unknown_clover_option_value(default_model_dir, clover_ckpt_dir) -> None
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
                                            "draft_sampling": "beam"})
     _one_line_error(excinfo, "draft_sampling='beam'")
+
+
+def test_draft_dtype_option_errors(default_model_dir, clover_ckpt_dir, monkeypatch) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                           "draft_dtype": "float16"})
+    _one_line_error(excinfo, "draft_dtype='float16'", "'bfloat16'")
+    # On a GPU the drafter runs in the model's dtype: an explicit choice is refused.
+    import vllm_clover.frontend as frontend
+
+    monkeypatch.setattr(frontend, "_on_cpu", lambda: False)
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
+                                           "draft_dtype": "bfloat16"})
+    _one_line_error(excinfo, "draft_dtype='bfloat16'", "CPU build")
 
 
 def test_llm_constructor_fails_in_front_end(default_model_dir, tmp_path) -> None:

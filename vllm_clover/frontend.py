@@ -42,9 +42,12 @@ METHOD = "clover"
 # datastore (path, "" = off; relative to the checkpoint directory): where the prompt lookup
 # finds nothing, an n-gram datastore's chain fills those slots (datastore.py), token by token
 # while the table's confidence in the next one is at least datastore_min_confidence (0..1).
-OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy")}
+# draft_dtype: dtype of the drafter's matmuls on vLLM's CPU build ("auto": bfloat16 for a
+# float32 model on a CPU with native bfloat16 matmuls, else the model's; cpu_linear.py).
+OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy"),
+                                       "draft_dtype": ("auto", "float32", "bfloat16")}
 # (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
-DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_vocab_size": 0, "tree": None,
+DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_dtype": "auto", "draft_vocab_size": 0, "tree": None,
                                    "dynamic_tree_nodes": 25, "prompt_lookup_tokens": 0,
                                    "prompt_lookup_min": 2, "prompt_lookup_max": 4, "datastore": "",
                                    "datastore_min_confidence": 0.2}
@@ -147,6 +150,10 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
         if value not in OPTIONS[key]:
             raise CloverSpecError(f"clover option {key}={value!r} is invalid; expected one of {OPTIONS[key]}")
         options[key] = value
+    if options["draft_dtype"] != "auto" and not _on_cpu():
+        raise CloverSpecError(f"clover option draft_dtype={options['draft_dtype']!r} applies to vLLM's CPU "
+                              "build (oneDNN matmuls); on a GPU the drafter runs in the model's dtype: "
+                              "leave it out or use 'auto'")
     config = validate_checkpoint(path, target_model_config.hf_text_config)
     if "draft_vocab_size" in spec:
         options["draft_vocab_size"] = draft_vocab_size(spec.pop("draft_vocab_size"), path, config.vocab_size)
@@ -318,11 +325,16 @@ def warn_tree_over_budget(tree: Any, dynamic_nodes: int, budget: int, lookup_tok
         name, n + 1, budget, TREE_TOKEN_BUDGET, effect)
 
 
-def default_tree_token_budget() -> int:
-    """``TREE_TOKEN_BUDGET`` for the platform vLLM runs on (CPU build or not)."""
+def _on_cpu() -> bool:
+    """Is this vLLM's CPU build?"""
     from vllm.platforms import current_platform
 
-    return TREE_TOKEN_BUDGET["cpu" if current_platform.is_cpu() else "gpu"]
+    return current_platform.is_cpu()
+
+
+def default_tree_token_budget() -> int:
+    """``TREE_TOKEN_BUDGET`` for the platform vLLM runs on (CPU build or not)."""
+    return TREE_TOKEN_BUDGET["cpu" if _on_cpu() else "gpu"]
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -364,6 +364,16 @@ def _check_engine_draft_fetch() -> None:
     assert "self.post_step(model_executed)" in _source(EngineCoreProc._process_engine_step)
 
 
+def _check_cpu_linear_dispatch() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.utils import cpu_unquantized_gemm
+
+    # The call we replace, and the dispatch that frees the weight we keep a reference to.
+    assert "layer.cpu_linear(x, weight, bias)" in _source(cpu_unquantized_gemm)
+    assert "dispatch_cpu_unquantized_gemm(layer, remove_weight=True)" in _source(
+        UnquantizedLinearMethod.process_weights_after_loading)
+
+
 def _file_function_source(module: str, function: str) -> str:
     """A top-level function's text as in vLLM's file (the module attribute may be ours)."""
     import importlib.util
@@ -583,6 +593,21 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM's generator rewind supports CPU generators",
         apply=_install_runner_sample_tokens,
         check=_check_runner_sample_tokens,
+    ),
+    Patch(
+        name="drafter-cpu-linear-dtype",
+        target=("cpu_linear of the drafter's own vLLM linear layers (set by "
+                "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm)"),
+        why=(
+            "CPU, draft_dtype bfloat16 (the default on AVX512-BF16 CPUs for float32 models): the "
+            "Augmenting-Block layers' products run over bfloat16 copies of their weights, which "
+            "halves the bytes drafting streams (cpu_linear.repack_vllm_linears). Applied per "
+            "drafter at load by the proposer, never to the target's layers; vLLM frees these "
+            "weights after packing, so CloverForSpeculativeDecoding.load_weights keeps them."
+        ),
+        remove_when="vLLM lets a draft model's linears run in their own dtype on CPU",
+        apply=lambda: None,
+        check=_check_cpu_linear_dispatch,
     ),
     Patch(
         name="engine-no-draft-fetch-when-drafting-off",

@@ -31,7 +31,8 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
-from vllm_clover.cpu_linear import PackedLinear, onednn_available, pack_linears
+from vllm_clover.cpu_linear import (PackedLinear, draft_matmul_dtype, onednn_available, pack_linears,
+                                    repack_vllm_linears)
 from vllm_clover.datastore import NgramDatastore, load_datastore
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
@@ -99,6 +100,8 @@ class CloverProposer(MedusaProposer):
         # The LM-head product over the draft vocabulary ([B, H] -> [B, N]): the target's own
         # (packed on CPU) for the full vocabulary, a packed or plain product over draft_weight.
         self._draft_lm_head: Any = None
+        # dtype of the drafter's packed products on CPU (draft_dtype option; else the model's).
+        self.matmul_dtype: torch.dtype = self.dtype
         # Wall time of propose_clover (CloverWorkerExtension.clover_timing). On a GPU the
         # clock stops after a synchronize only when VLLM_CLOVER_PROFILE=1 (it stalls the stream).
         self.timing = {"draft_s": 0.0, "calls": 0}
@@ -413,15 +416,22 @@ class CloverProposer(MedusaProposer):
         """The draft LM-head product o [B, H] -> [B, N]. On vLLM's CPU build the drafter's
         ``nn.Linear``s and the draft-vocabulary rows are packed for oneDNN (cpu_linear.py) and
         the full vocabulary reuses the target's own packed LM head; elsewhere plain products."""
+        aug_weights = self.model.take_aug_linear_weights()
         if not onednn_available():
             if self.draft_weight is None:
                 return self.model.logits
             weight = self.draft_weight
             return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
-        packed = pack_linears(self.model.drafter)
-        logger.debug("vllm-clover: %d drafter linears packed for oneDNN", packed)
+        # draft_dtype (cpu_linear.py): the products in bfloat16 halve the bytes drafting streams.
+        self.matmul_dtype = draft_matmul_dtype(self.options["draft_dtype"], self.dtype)
+        compute = None if self.matmul_dtype == self.dtype else self.matmul_dtype
+        packed = pack_linears(self.model.drafter, compute)
+        if compute is not None:
+            packed += repack_vllm_linears(aug_weights, compute)
+        logger.info("vllm-clover: drafter products in %s (draft_dtype=%s), %d linears packed for oneDNN",
+                    str(self.matmul_dtype).removeprefix("torch."), self.options["draft_dtype"], packed)
         if self.draft_weight is not None:
-            return PackedLinear(self.draft_weight)
+            return PackedLinear(self.draft_weight, compute_dtype=compute)
         method = getattr(target_head, "quant_method", None)
         if method is None or not hasattr(method, "apply"):
             return self.model.logits

@@ -366,6 +366,11 @@ class CloverWorkerExtension:
         records, drafter.tree_records = drafter.tree_records, []
         return records
 
+    def clover_drafter_info(self) -> dict[str, str]:
+        """How this drafter runs: ``matmul_dtype``, the dtype of its packed products on CPU
+        (the draft_dtype option resolved; the model's dtype elsewhere)."""
+        return {"matmul_dtype": str(self._clover_drafter().matmul_dtype).removeprefix("torch.")}
+
     def clover_timing(self, reset: bool = True) -> dict[str, float]:
         """Seconds spent in Clover drafting (trunk + heads) and the number of drafting
         calls since the last reset (benchmarks/bench.py: draft cost per step)."""

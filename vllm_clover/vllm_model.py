@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from vllm.config import VllmConfig
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 
@@ -102,6 +103,7 @@ class CloverForSpeculativeDecoding(nn.Module):
             self.config,
             make_layer=lambda i: _AugLayer(vllm_config, prefix=self.layer_prefixes[i], config=layer_cfg))
         self.attn_layer_names = [p + ".self_attn.attn" for p in self.layer_prefixes]
+        self._aug_linear_weights: list[tuple[nn.Module, torch.Tensor]] = []
 
     def bind_target(self, lm_head_weight: torch.Tensor, embed_weight: torch.Tensor | None = None) -> None:
         """Share the target's lm_head weight [V, H] (and E, default = that weight)."""
@@ -152,4 +154,14 @@ class CloverForSpeculativeDecoding(nn.Module):
                 param = params[full]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(full)
+        # vLLM's CPU dispatch frees each linear's weight once it has packed it (after this
+        # method); the proposer may repack them in another dtype (draft_dtype), so keep them
+        # until it has (take_aug_linear_weights).
+        self._aug_linear_weights = [(m, m.weight.data) for m in self.drafter.layers.modules()
+                                    if isinstance(m, LinearBase)]
         return loaded
+
+    def take_aug_linear_weights(self) -> list[tuple[nn.Module, torch.Tensor]]:
+        """The Augmenting-Block layers' vLLM linears and their loaded weights, once (then freed)."""
+        taken, self._aug_linear_weights = self._aug_linear_weights, []
+        return taken
