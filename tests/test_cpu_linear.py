@@ -25,16 +25,22 @@ def test_packed_linear_equals_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(PackedLinear(w, b)(x3), nn.functional.linear(x3, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_pack_linears_keeps_the_drafter_outputs() -> None:
-    """Every plain nn.Linear of a Clover-2 drafter is packed; trunk fusion and both head
-    kinds give the same states and outputs as before; parameters stay in state_dict."""
-    torch.manual_seed(1)
-    cfg = CloverConfig(hidden_size=64, vocab_size=100, num_heads=3, num_layers=1, num_attention_heads=4,
+def _small_drafter(seed: int, num_heads: int) -> CloverDrafter:
+    """A Clover-2 drafter (hidden 64, vocab 100, one Augmenting layer) with random weights."""
+    torch.manual_seed(seed)
+    cfg = CloverConfig(hidden_size=64, vocab_size=100, num_heads=num_heads, num_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, intermediate_size=128)
     drafter = CloverDrafter(cfg).eval()
     for p in drafter.parameters():
         p.data.normal_(0, 0.05)
     drafter.bind_target(torch.randn(100, 64) * 0.1)
+    return drafter
+
+
+def test_pack_linears_keeps_the_drafter_outputs() -> None:
+    """Every plain nn.Linear of a Clover-2 drafter is packed; trunk fusion and both head
+    kinds give the same states and outputs as before; parameters stay in state_dict."""
+    drafter = _small_drafter(seed=1, num_heads=3)
     x, y, prev = torch.randn(5, 64), torch.randint(0, 100, (5,)), torch.randint(0, 100, (5,))
     with torch.inference_mode():
         ref = [drafter.fuse(x, y), *drafter.head_step(x, prev, 0), *drafter.head_step(x, prev, 1)]
@@ -70,13 +76,7 @@ def test_packed_linear_in_bfloat16_takes_and_gives_float32(bias: bool) -> None:
 
 
 def test_pack_linears_in_bfloat16_stays_close() -> None:
-    torch.manual_seed(3)
-    cfg = CloverConfig(hidden_size=64, vocab_size=100, num_heads=2, num_layers=1, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    drafter = CloverDrafter(cfg).eval()
-    for p in drafter.parameters():
-        p.data.normal_(0, 0.05)
-    drafter.bind_target(torch.randn(100, 64) * 0.1)
+    drafter = _small_drafter(seed=3, num_heads=2)
     x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))
     with torch.inference_mode():
         ref = drafter.head_step(x, prev, 1)
