@@ -423,6 +423,7 @@ class CloverProposer(MedusaProposer):
             weight = self.draft_weight
             return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
         # draft_dtype (cpu_linear.py): the products in bfloat16 halve the bytes drafting streams.
+        # Without a reduced draft vocabulary the heads keep the target's own (float32) LM head.
         self.matmul_dtype = draft_matmul_dtype(self.options["draft_dtype"], self.dtype)
         compute = None if self.matmul_dtype == self.dtype else self.matmul_dtype
         packed = pack_linears(self.model.drafter, compute)
