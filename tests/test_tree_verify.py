@@ -127,6 +127,27 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
     assert torch.all(outs["1"][~touched] == 7.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_compaction_kernel_equals_the_reference_on_vllm_cache_views(dtype) -> None:
+    """kv_compact_cpu over many layers' K/V views of vLLM's CPU layout (the key view strided
+    over D) moves exactly what kv_compact_ref moves, chained moves included (a destination
+    that is another move's source: all reads happen before the writes)."""
+    from kernels import kv_compact_ref
+    from kernels.tree_attention_cpu import kv_compact_cpu
+
+    g = torch.Generator().manual_seed(5)
+    block, d = 16, 64
+    raws = [torch.randn(8, 3, block, 2 * d, generator=g).to(dtype) for _ in range(5)]
+    src = torch.tensor([[20, 33, 47, -1], [2, 70, 71, 90]])   # 33 -> 20 while 20 -> 19
+    dst = torch.tensor([[19, 20, 21, -1], [1, 2, 3, 4]])
+    before = [r.clone() for r in raws]
+    ref = [r.clone() for r in raws]
+    kv_compact_ref([v for r in ref for v in cpu_cache_views(r, d)], src, dst)
+    kv_compact_cpu([v for r in raws for v in cpu_cache_views(r, d)], src, dst)
+    assert all(torch.equal(got, want) for got, want in zip(raws, ref))
+    assert not any(torch.equal(r, b) for r, b in zip(ref, before))  # every layer moved
+
+
 @pytest.mark.parametrize("with_chain", [False, True], ids=["tree-rows-only", "tree-and-chain"])
 def test_hook_on_vllm_cpu_attention(with_chain: bool, monkeypatch) -> None:
     """vLLM's own CPU_ATTN forward under our hook (runner_hooks.install_tree_attention): the
