@@ -96,8 +96,8 @@ def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output
 def kv_compact_cpu(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """``kernels.kv_compact_ref``'s contract (caches [num_blocks, block_size, Hkv, D] views with
     any strides, src/dst [B, M] flat slots, -1 = no move), every cache in one C++ call: the
-    PyTorch path costs two indexing ops per cache (60 for the default model, ~1.6 ms a step
-    with moves here), this ~0.05 ms."""
+    PyTorch path costs two indexing ops per cache: 1.5 ms for 2 moves over the default
+    model's 60 K/V views on a 2-core Xeon, this 0.17 ms."""
     from kernels.kv_compact import _check
 
     _check(caches, src_slots, dst_slots)
