@@ -4,9 +4,12 @@ accepted paths: C++ kernels (``csrc/tree_attention_cpu.cpp``) compiled on first 
 
 Why: the PyTorch path gathers every tree request's paged K/V prefix per layer per step;
 on this 2-core CPU that gather dominates the tree rows' cost (docs/tree-verification.md).
-The contract is the one of ``tree_verify.tree_attention_rows`` for CPU_ATTN's ``vec`` /
-``vec16`` layout: kv_cache [num_blocks, Hkv, block_size, 2*D], per (block, head) the key half
-transposed [D, block_size], then the value half [block_size, D].
+The contract is the one of ``tree_verify.tree_attention_rows`` for CPU_ATTN's layouts:
+kv_cache [num_blocks, Hkv, block_size, 2*D], per (block, head) a key half then a value half,
+in the order of the attention ISA vLLM picked (``layer.isa``; :data:`LAYOUTS`): ``vec`` /
+``vec16`` store the key half transposed [D, block_size] and the value half [block_size, D];
+``amx`` (bfloat16 on CPUs with AMX tiles) packs both for AMX tile loads (the C++ source has
+the index formulas; ``vllm_clover.tree_verify.cpu_cache_tokens`` reads them in PyTorch).
 
 Building needs a C++ compiler (g++) and ninja; :func:`load` raises ``CpuKernelBuildError``
 naming what failed. Set ``VLLM_CLOVER_CPU_TREE_KERNEL=0`` to use the PyTorch path instead.
@@ -25,6 +28,17 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "tree_attention_cpu.cpp"
 ENV_VAR = "VLLM_CLOVER_CPU_TREE_KERNEL"
+
+
+# vLLM CPU attention ISA -> the kernel's KV layout id (kLayoutVec / kLayoutAmx in the C++).
+LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}
+
+
+def layout_id(isa: str) -> int:
+    """The kernel's layout id for a CPU attention ISA; ValueError names the ones it reads."""
+    if isa not in LAYOUTS:
+        raise ValueError(f"no CPU tree kernel for the {isa!r} KV layout (supported: {tuple(LAYOUTS)})")
+    return LAYOUTS[isa]
 
 
 class CpuKernelBuildError(RuntimeError):
@@ -70,11 +84,11 @@ def load() -> Any:
 
 def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
                              meta: torch.Tensor, block_table: torch.Tensor, anc: torch.Tensor,
-                             scale: float) -> None:
+                             scale: float, isa: str = "vec") -> None:
     """Overwrite the tree rows of ``output`` in place.
 
     query, output  [T, Hq, D] (last dim contiguous; output may be a view of [T, Hq*D])
-    kv_cache       [num_blocks, Hkv, block_size, 2*D], vLLM CPU_ATTN layout, contiguous
+    kv_cache       [num_blocks, Hkv, block_size, 2*D], vLLM CPU_ATTN layout of ``isa``, contiguous
     meta           [R, 4] int64: per tree request (first row, rows n1 incl. root, root position,
                    row of ``block_table``)
     block_table    [num_reqs, max_blocks] int32
@@ -90,20 +104,29 @@ def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output
         raise TypeError("meta must be int64, block_table int32, anc uint8")
     if block_table.stride(-1) != 1 or not meta.is_contiguous() or not anc.is_contiguous():
         raise ValueError("meta, anc and the rows of block_table must be contiguous")
-    load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale))
+    layout = layout_id(isa)
+    if layout == LAYOUTS["amx"] and (query.dtype != torch.bfloat16 or kv_cache.shape[2] % 16 or query.shape[2] % 16):
+        raise ValueError(f"the amx KV layout needs bfloat16, block size and head size multiples of 16; "
+                         f"got {query.dtype}, kv_cache {tuple(kv_cache.shape)}")
+    load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale), layout)
 
 
-def kv_compact_cpu(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """``kernels.kv_compact_ref``'s contract (caches [num_blocks, block_size, Hkv, D] views with
-    any strides, src/dst [B, M] flat slots, -1 = no move), every cache in one C++ call: the
-    PyTorch path costs two indexing ops per cache: 1.5 ms for 2 moves over the default
-    model's 60 K/V views on a 2-core Xeon, this 0.17 ms."""
+def kv_compact_cpu(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   isa: str = "vec") -> None:
+    """``kernels.kv_compact_ref``'s moves (src/dst [B, M] flat slots, -1 = no move; every
+    source read before any destination is written) on whole CPU_ATTN caches: kv_caches are
+    the layers' [num_blocks, Hkv, block_size, 2*D] tensors (contiguous, one dtype) in the
+    layout of ``isa``; each move copies the token's K and V for every KV head. Every cache in
+    one C++ call: the PyTorch path costs two indexing ops per K/V view: 1.5 ms for 2 moves
+    over the default model's 30 layers on a 2-core Xeon, this 0.17 ms."""
     from kernels.kv_compact import _check
 
-    _check(caches, src_slots, dst_slots)
-    if any(c.device.type != "cpu" or c.dtype != caches[0].dtype for c in caches):
-        raise TypeError("kv_compact_cpu needs CPU caches of one dtype")
+    _check([], src_slots, dst_slots)
+    layout = layout_id(isa)
+    for c in kv_caches:
+        if c.device.type != "cpu" or c.dtype != kv_caches[0].dtype or c.dim() != 4 or not c.is_contiguous():
+            raise TypeError("kv_compact_cpu needs contiguous CPU caches [num_blocks, Hkv, block_size, 2*D] of one dtype")
     ok = src_slots >= 0
     src = src_slots[ok].to(torch.int64).contiguous()
     dst = dst_slots[ok].to(torch.int64).contiguous()
-    load().kv_compact_cpu(list(caches), src, dst)
+    load().kv_compact_cpu(list(kv_caches), src, dst, layout)

@@ -1,5 +1,6 @@
 """Unit tests of tree verification inside vLLM (vllm_clover/tree_verify.py) with vLLM's own
-pieces but no engine: the CPU KV layout our views read, tree-masked attention over it,
+pieces but no engine: the CPU KV layouts we read (vec, and AMX's packed bfloat16 one),
+tree-masked attention over them,
 the CloverRejectionSampler around vLLM's RejectionSampler (greedy, sampling, mixed batches,
 KV compaction), the trunk's view of a tree step, tree selection and the tree option.
 End-to-end runs are in tests/test_tree_e2e.py."""
@@ -16,22 +17,46 @@ import torch
 
 from vllm_clover.tree import StaticTree, buffers_from_parents, get_tree, greedy_accept
 from vllm_clover.tree_verify import (TreeRequest, TreeStep, chain_metadata, chain_only_reason,
-                                     check_cpu_kv_layout, cpu_cache_views, select_tree, spine,
+                                     check_cpu_kv_layout, cpu_cache_tokens, cpu_cache_views, select_tree, spine,
                                      tree_attention_rows, trunk_view)
 
 TREE = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], "t7")
 
 
 # ============================================================================ KV layout
-@pytest.mark.parametrize("dtype,isa,head,block", [(torch.float32, "vec", 64, 128), (torch.bfloat16, "vec", 64, 32),
-                                                  (torch.float32, "vec16", 48, 128)])
-def test_cpu_cache_views_read_what_vllm_writes(dtype, isa, head, block) -> None:
+HAS_AMX = torch.cpu._is_amx_tile_supported()
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="vLLM writes the amx KV layout on CPUs with AMX tiles only")
+
+
+@pytest.mark.parametrize("dtype,isa,head,block", [
+    (torch.float32, "vec", 64, 128), (torch.bfloat16, "vec", 64, 32), (torch.float32, "vec16", 48, 128),
+    pytest.param(torch.bfloat16, "amx", 64, 128, marks=needs_amx), pytest.param(torch.bfloat16, "amx", 32, 32, marks=needs_amx)])
+def test_cpu_cache_tokens_read_what_vllm_writes(dtype, isa, head, block) -> None:
     check_cpu_kv_layout(isa, dtype, head, block)
 
 
-def test_unsupported_isa_is_refused_with_a_reason() -> None:
-    with pytest.raises(NotImplementedError, match="amx.*float32"):
+def test_unsupported_isa_is_refused_with_a_reason(monkeypatch) -> None:
+    with pytest.raises(NotImplementedError, match="neon.*float32"):
+        check_cpu_kv_layout("neon", torch.bfloat16, 64, 128)
+    monkeypatch.setenv("VLLM_CLOVER_CPU_TREE_KERNEL", "0")  # the PyTorch path reads vec views only
+    with pytest.raises(NotImplementedError, match="amx.*C\\+\\+ kernel"):
         check_cpu_kv_layout("amx", torch.bfloat16, 64, 128)
+
+
+def _amx_pack(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Dense K/V [num_blocks, block_size, Hkv, D] -> a CPU cache in the amx layout (the
+    inverse of cpu_cache_tokens(.., "amx"), so kernels can be tested on any CPU)."""
+    nb, bs, hkv, d = key.shape
+    k = key.reshape(nb, bs // 16, 16, hkv, d // 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(nb, hkv, bs * d)
+    v = value.reshape(nb, bs // 2, 2, hkv, d // 16, 16).permute(0, 3, 4, 1, 5, 2).reshape(nb, hkv, bs * d)
+    return torch.stack([k, v], dim=2).reshape(nb, hkv, bs, 2 * d)
+
+
+def test_amx_pack_inverts_cpu_cache_tokens() -> None:
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 2, 32, 3, 64, generator=g).bfloat16()
+    k2, v2 = cpu_cache_tokens(_amx_pack(key, value), 64, "amx")
+    assert torch.equal(k2, key) and torch.equal(v2, value)
 
 
 def _paged_cache(k: torch.Tensor, v: torch.Tensor, block: int, blocks: list[int], nb: int = 6):
@@ -79,11 +104,13 @@ def test_tree_attention_rows_equal_dense_masked_attention(prefix: int, cpu_kerne
     torch.testing.assert_close(output[other:].view(n1, hq, d), ref.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.float32, 128), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.float32, 128), (torch.bfloat16, 32),
+                                         (torch.bfloat16, 128)])
 def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch) -> None:
     """Several tree requests with random trees and prefixes (some straddling blocks, one
     empty), GQA 9/3 heads of 64 as in the default model: the C++ kernel equals the PyTorch
-    path, and both equal float64 dense attention; rows of non-tree requests stay as they were."""
+    path, and both equal float64 dense attention; rows of non-tree requests stay as they were.
+    In bfloat16 the kernel also reads the same K/V packed in the amx layout, to the bit."""
     g = torch.Generator().manual_seed(1)
     hq, hkv, d = 9, 3, 64
     nb = 40
@@ -109,6 +136,12 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
         outs[flag] = torch.full((start, hq * d), 7.0, dtype=dtype)
         tree_attention_rows(impl, query, kv, meta, outs[flag],
                             TreeStep(num_tokens=start, requests=[dataclasses.replace(r) for r in requests]))
+    if dtype == torch.bfloat16:
+        monkeypatch.setenv("VLLM_CLOVER_CPU_TREE_KERNEL", "1")
+        amx = torch.full((start, hq * d), 7.0, dtype=dtype)
+        tree_attention_rows(impl, query, _amx_pack(key, value), meta, amx,
+                            TreeStep(num_tokens=start, requests=[dataclasses.replace(r) for r in requests]), "amx")
+        assert torch.equal(amx, outs["1"])
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["1"], outs["0"], **tol)
     touched = torch.zeros(start, dtype=torch.bool)
@@ -127,33 +160,42 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
     assert torch.all(outs["1"][~touched] == 7.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_compaction_kernel_equals_the_reference_on_vllm_cache_views(dtype) -> None:
-    """kv_compact_cpu over many layers' K/V views of vLLM's CPU layout (the key view strided
-    over D) moves exactly what kv_compact_ref moves, chained moves included (a destination
-    that is another move's source: all reads happen before the writes)."""
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.bfloat16, "amx")])
+def test_cpu_compaction_kernel_equals_the_reference(dtype, isa) -> None:
+    """kv_compact_cpu over many layers' whole CPU caches moves exactly what kv_compact_ref
+    moves on their (key, value) token views, chained moves included (a destination that is
+    another move's source: all reads happen before the writes); vec and amx layouts."""
     from kernels import kv_compact_ref
     from kernels.tree_attention_cpu import kv_compact_cpu
 
     g = torch.Generator().manual_seed(5)
     block, d = 16, 64
-    raws = [torch.randn(8, 3, block, 2 * d, generator=g).to(dtype) for _ in range(5)]
+    dense = [torch.randn(2, 8, block, 3, d, generator=g).to(dtype) for _ in range(5)]  # (K, V) per layer
     src = torch.tensor([[20, 33, 47, -1], [2, 70, 71, 90]])   # 33 -> 20 while 20 -> 19
     dst = torch.tensor([[19, 20, 21, -1], [1, 2, 3, 4]])
-    before = [r.clone() for r in raws]
-    ref = [r.clone() for r in raws]
-    kv_compact_ref([v for r in ref for v in cpu_cache_views(r, d)], src, dst)
-    kv_compact_cpu([v for r in raws for v in cpu_cache_views(r, d)], src, dst)
-    assert all(torch.equal(got, want) for got, want in zip(raws, ref))
-    assert not any(torch.equal(r, b) for r, b in zip(ref, before))  # every layer moved
+    if isa == "amx":
+        raws = [_amx_pack(k, v) for k, v in dense]
+    else:
+        raws = [torch.zeros(8, 3, block, 2 * d, dtype=dtype) for _ in dense]
+        for raw, (k, v) in zip(raws, dense):
+            kv_view, vv_view = cpu_cache_views(raw, d)
+            kv_view.copy_(k), vv_view.copy_(v)
+    ref = [t.clone() for k, v in dense for t in (k, v)]
+    kv_compact_ref(ref, src, dst)
+    kv_compact_cpu(raws, src, dst, isa)
+    got = [t for raw in raws for t in cpu_cache_tokens(raw, d, isa)]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert not any(torch.equal(r, t) for r, t in zip(ref, (t for k, v in dense for t in (k, v))))  # every cache moved
 
 
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), pytest.param(torch.bfloat16, "amx", marks=needs_amx)])
 @pytest.mark.parametrize("with_chain", [False, True], ids=["tree-rows-only", "tree-and-chain"])
-def test_hook_on_vllm_cpu_attention(with_chain: bool, monkeypatch) -> None:
+def test_hook_on_vllm_cpu_attention(with_chain: bool, dtype, isa, monkeypatch) -> None:
     """vLLM's own CPU_ATTN forward under our hook (runner_hooks.install_tree_attention): the
     tree request's rows equal dense ancestor-masked attention, a chain request's rows vLLM's
     causal result; vLLM's causal kernel runs only when some row is not a tree row (when
-    tree rows are every row, its output would be overwritten, so it is skipped)."""
+    tree rows are every row, its output would be overwritten, so it is skipped). Float32
+    (vec layout) and, on CPUs with AMX, bfloat16 in vLLM's amx layout."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
 
@@ -170,34 +212,35 @@ def test_hook_on_vllm_cpu_attention(with_chain: bool, monkeypatch) -> None:
     # (batch row, prefix, scheduled rows): a chain request of 3 rows, then the tree request.
     reqs = ([(0, 37, 3)] if with_chain else []) + [(len([0] if with_chain else []), 20, n1)]
     table = torch.randperm(nb, generator=g).to(torch.int32).view(2, 4)[: len(reqs)]
-    kv = torch.zeros(nb, hkv, block, 2 * d)
+    kv = torch.zeros(nb, hkv, block, 2 * d, dtype=dtype)
     key_cache, value_cache = kv.view(nb, hkv, 2 * block, d).chunk(2, dim=2)
     qsl, seq_lens, ks, vs, tree_req = [0], [], [], [], None
     for row, prefix, rows in reqs:
-        k, v = torch.randn(prefix + rows, hkv, d, generator=g), torch.randn(prefix + rows, hkv, d, generator=g)
+        k = torch.randn(prefix + rows, hkv, d, generator=g).to(dtype)
+        v = torch.randn(prefix + rows, hkv, d, generator=g).to(dtype)
         pos = torch.arange(prefix + rows)
         slots = table[row].long()[pos // block] * block + pos % block
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
         ks.append(k), vs.append(v), seq_lens.append(prefix + rows), qsl.append(qsl[-1] + rows)
         if rows == n1:
             tree_req = TreeRequest(index=row, start=qsl[-2], root=prefix, buffers=TREE.buffers(1), slots=slots[prefix:])
     t = qsl[-1]
-    query = torch.randn(t, hq, d, generator=g)
+    query = torch.randn(t, hq, d, generator=g).to(dtype)
     qsl_t, seq_t = torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
     sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(reqs), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq_t, dtype=torch.float32,
-        query_start_loc=qsl_t, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=False,
+        num_reqs=len(reqs), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq_t, dtype=dtype,
+        query_start_loc=qsl_t, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
         dynamic_causal=None, kv_cache_dtype="auto")
     meta = cpu_attn.CPUAttentionMetadata(num_actual_tokens=t, max_query_len=max(r for *_, r in reqs), query_start_loc=qsl_t,
                                 max_seq_len=max(seq_lens), seq_lens=seq_t, block_table=table, slot_mapping=None,
                                 scheduler_metadata=sched)
     # The impl reads only the model dtype from the current config (zentorch SDPA or not).
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
-                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
     impl = cpu_attn.CPUAttentionBackendImpl(hq, d, 1 / math.sqrt(d), hkv, None, None, "auto")
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
-    output = torch.full((t, hq * d), 7.0)
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=isa)
+    output = torch.full((t, hq * d), 7.0, dtype=dtype)
     set_active_step(TreeStep(num_tokens=t, requests=[tree_req]))
     try:
         impl.forward(layer, query, None, None, kv, meta, output)
@@ -209,9 +252,10 @@ def test_hook_on_vllm_cpu_attention(with_chain: bool, monkeypatch) -> None:
         if rows == n1:
             mask[:, prefix:] = TREE.buffers(1).ancestor_mask[0]
         ref = torch.nn.functional.scaled_dot_product_attention(
-            query[start:start + rows].transpose(0, 1), k.repeat_interleave(hq // hkv, 1).transpose(0, 1),
-            v.repeat_interleave(hq // hkv, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
-        torch.testing.assert_close(output[start:start + rows].view(rows, hq, d), ref, atol=1e-4, rtol=1e-4)
+            query[start:start + rows].double().transpose(0, 1), k.double().repeat_interleave(hq // hkv, 1).transpose(0, 1),
+            v.double().repeat_interleave(hq // hkv, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(output[start:start + rows].view(rows, hq, d).double(), ref, **tol)
 
 
 # ============================================================================ sampler
@@ -258,7 +302,7 @@ class _Cache:
         self.d = d
 
     def layers(self):
-        return [(SimpleNamespace(head_size=self.d), self.kv)]
+        return [(SimpleNamespace(head_size=self.d), self.kv, "vec")]
 
     def rows(self, slots: list[int]):
         k, v = cpu_cache_views(self.kv, self.d)

@@ -166,19 +166,21 @@ def wrap_tree_attention(orig: Callable[..., Any], skip_covered: bool = False) ->
         extras = any(a is not None for a in (*args, *kwargs.values()))
         if not (skip_covered and step.covers_all_rows) or extras:
             result = orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        tree_attention_rows(self, query, kv_cache, attn_metadata, output, step)
+        tree_attention_rows(self, query, kv_cache, attn_metadata, output, step, getattr(layer, "isa", "vec"))
         return result
 
     setattr(forward, _MARK, True)
     return forward
 
 
-def target_kv_layers(vllm_config: Any) -> list[tuple[Any, Any]]:
-    """(attention impl, kv_cache) of every target attention layer (Clover's trunk excluded)."""
+def target_kv_layers(vllm_config: Any) -> list[tuple[Any, Any, str | None]]:
+    """(attention impl, kv_cache, CPU attention ISA or None) of every target attention layer
+    (Clover's trunk excluded). The ISA (``layer.isa``, set by CPU_ATTN's metadata builder)
+    fixes the CPU cache layout."""
     from vllm.model_executor.layers.attention import Attention
 
     layers = vllm_config.compilation_config.static_forward_context.values()
-    return [(m.impl, m.kv_cache) for m in layers
+    return [(m.impl, m.kv_cache, getattr(m, "isa", None)) for m in layers
             if isinstance(m, Attention) and not getattr(m, "clover_trunk", False) and m.kv_cache.numel()]
 
 

@@ -53,8 +53,10 @@ Tensor = torch.Tensor
 GREEDY_TEMPERATURE = 0.0
 # vLLM's padding in sampler outputs (rejection_sampler.PLACEHOLDER_TOKEN_ID).
 PLACEHOLDER_TOKEN_ID = -1
-# CPU attention ISAs whose KV layout cpu_cache_views() reads (checked by check_cpu_kv_layout).
-CPU_TREE_ISAS = ("vec", "vec16")
+# CPU attention ISAs whose KV layout tree verification reads (checked by check_cpu_kv_layout):
+# the PyTorch path through cpu_cache_views (vec, vec16), the C++ kernel all three.
+CPU_TREE_ISAS = ("vec", "vec16", "amx")
+CPU_VIEW_ISAS = ("vec", "vec16")
 
 
 # ============================================================================ step plan
@@ -169,7 +171,8 @@ def cpu_cache_views(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
     into a key half and a value half (``cpu_attn.py``: view [.., 2*block_size, D], chunk).
     With the ``vec``/``vec16`` ISAs the key half is stored transposed, [D, block_size], and
     the value half as [block_size, D] (verified against ``cpu_attn_reshape_and_cache``,
-    :func:`check_cpu_kv_layout`); AMX (bf16) packs keys differently and is refused.
+    :func:`check_cpu_kv_layout`). The ``amx`` ISA packs both halves for AMX tile loads,
+    which no strided view expresses: :func:`cpu_cache_tokens` copies them out.
     """
     nb, hkv, bs, _ = kv_cache.shape
     halves = kv_cache.view(nb, hkv, 2, bs * head_size)
@@ -178,9 +181,26 @@ def cpu_cache_views(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
     return key, value
 
 
+def cpu_cache_tokens(kv_cache: Tensor, head_size: int, isa: str) -> tuple[Tensor, Tensor]:
+    """(key, value) [num_blocks, block_size, Hkv, D] of one layer's CPU cache in the layout of
+    ``isa``: :func:`cpu_cache_views` for vec/vec16; for amx, copies (read-only use: tests and
+    the start-up layout check). AMX order per (block, head), as the C++ kernel reads it:
+    key (t, e) at (t//16)*16*D + (e//2)*32 + (t%16)*2 + e%2, value (t, e) at
+    (e//16)*16*block_size + (t//2)*32 + (e%16)*2 + t%2 (vLLM's ``cpu_attn_amx.hpp``)."""
+    if isa != "amx":
+        return cpu_cache_views(kv_cache, head_size)
+    nb, hkv, bs, _ = kv_cache.shape
+    d = head_size
+    halves = kv_cache.view(nb, hkv, 2, bs * d)
+    key = halves[:, :, 0].reshape(nb, hkv, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+    value = halves[:, :, 1].reshape(nb, hkv, d // 16, bs // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)
+    return key.reshape(nb, bs, hkv, d), value.reshape(nb, bs, hkv, d)
+
+
 def check_cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> None:
     """Write known K/V with vLLM's own ``cpu_attn_reshape_and_cache`` and read them back
-    through :func:`cpu_cache_views`; raise NotImplementedError naming the ISA on mismatch."""
+    through :func:`cpu_cache_tokens`; raise NotImplementedError naming the ISA on mismatch,
+    or for amx without the C++ kernel (the PyTorch path reads strided views only)."""
     from vllm import _custom_ops as ops
 
     why = (f"tree verification on CPU reads the KV cache directly and supports the "
@@ -188,6 +208,10 @@ def check_cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size
            f"{head_size}). Use dtype float32, or chain drafting (leave out the tree option)")
     if isa not in CPU_TREE_ISAS:
         raise NotImplementedError(why)
+    if isa not in CPU_VIEW_ISAS and not cpu_kernel_enabled():
+        raise NotImplementedError(
+            f"tree verification reads the {isa!r} KV layout ({dtype}) with the C++ kernel only, and "
+            f"VLLM_CLOVER_CPU_TREE_KERNEL=0 turns it off; unset it, use dtype float32, or chain drafting")
     gen = torch.Generator().manual_seed(0)
     kv = torch.zeros(2, 2, block_size, 2 * head_size, dtype=dtype)
     key_half, value_half = kv.view(2, 2, 2 * block_size, head_size).chunk(2, dim=2)
@@ -196,19 +220,20 @@ def check_cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size
     v = torch.randn(len(slots), 2, head_size, generator=gen).to(dtype)
     ops.cpu_attn_reshape_and_cache(k, v, key_half, value_half, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
-    kc, vc = cpu_cache_views(kv, head_size)
+    kc, vc = cpu_cache_tokens(kv, head_size, isa)
     blk, off = slots // block_size, slots % block_size
     if not (torch.equal(kc[blk, off], k) and torch.equal(vc[blk, off], v)):
         raise NotImplementedError(why + " (KV layout check failed)")
 
 
 def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadata: Any,
-                        output: Tensor, step: TreeStep) -> None:
+                        output: Tensor, step: TreeStep, isa: str = "vec") -> None:
     """Overwrite the attention output of every tree request's rows with tree-masked
     attention: row i sees the paged prefix ``0 .. root-1`` and the tree rows of its
     ancestors and itself (their K/V were just written at slots ``root + n``).
 
-    query [T, Hq, D]; output [T, Hq*D] or [T, Hq, D] (written in place).
+    query [T, Hq, D]; output [T, Hq*D] or [T, Hq, D] (written in place); ``isa``: the CPU
+    attention ISA of the layer (``layer.isa``), which fixes the CPU cache layout.
     """
     d = impl.head_size
     out = output.view(output.shape[0], impl.num_heads, d)
@@ -218,8 +243,10 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
             step.cpu_kernel_inputs = cpu_kernel_inputs(step)
         meta, anc = step.cpu_kernel_inputs
         tree_attention_paged_cpu(query.view(query.shape[0], impl.num_heads, d), kv_cache, out, meta,
-                                 attn_metadata.block_table, anc, impl.scale)
+                                 attn_metadata.block_table, anc, impl.scale, isa)
         return
+    if query.device.type == "cpu" and isa not in CPU_VIEW_ISAS:
+        raise NotImplementedError(f"the PyTorch tree path cannot read the {isa!r} KV layout")
     key_cache, value_cache = cache_views(impl, kv_cache)
     for r in step.requests:
         n1 = r.buffers.width
@@ -334,8 +361,9 @@ class CloverRejectionSampler(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, kv_layers: Any) -> None:
         super().__init__()
         self.inner = inner
-        self._kv_layers = kv_layers  # () -> list of (impl, kv_cache) of the target's layers
-        self._caches: list[Tensor] | None = None  # their K/V views, built once (bound at start-up)
+        self._kv_layers = kv_layers  # () -> list of (impl, kv_cache, CPU isa or None), target layers
+        self._layers: list[tuple[Any, Tensor, str | None]] | None = None  # built once (bound at start-up)
+        self._caches: list[Tensor] | None = None  # their K/V views, built once
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
                 sampling_metadata: Any) -> Any:
@@ -434,12 +462,18 @@ class CloverRejectionSampler(torch.nn.Module):
 
         src = torch.stack([m[0] for m in moves])[None]
         dst = torch.stack([m[1] for m in moves])[None]
-        if self._caches is None:
-            self._caches = [view for impl, kv_cache in self._kv_layers() for view in cache_views(impl, kv_cache)]
-        caches = self._caches
-        if caches[0].device.type == "cpu" and cpu_kernel_enabled():
-            kv_compact_cpu(caches, src, dst)  # every layer in one C++ call
+        if self._layers is None:
+            self._layers = self._kv_layers()
+        layers = self._layers
+        if layers[0][1].device.type == "cpu" and cpu_kernel_enabled():
+            isas = {isa for _, _, isa in layers}
+            if len(isas) != 1:
+                raise RuntimeError(f"vllm-clover: target layers with different CPU KV layouts {sorted(map(str, isas))}")
+            kv_compact_cpu([kv_cache for _, kv_cache, _ in layers], src, dst, isas.pop())  # one C++ call
             return
+        if self._caches is None:
+            self._caches = [view for impl, kv_cache, _ in layers for view in cache_views(impl, kv_cache)]
+        caches = self._caches
         kv_compact(caches, src.to(caches[0].device), dst.to(caches[0].device))
 
 

@@ -5,9 +5,14 @@
 // gather is most of what the tree rows cost per layer on a 2-core CPU. This reads the blocks
 // where they are.
 //
-// Layout (docs/tree-verification.md, checked at start-up by check_cpu_kv_layout):
-//   kv_cache [num_blocks, Hkv, BS, 2*D]; per (block, kv head) the key half is stored
-//   transposed [D][BS], followed by the value half [BS][D].
+// Layouts (docs/tree-verification.md, checked at start-up by check_cpu_kv_layout against
+// vLLM's own cpu_attn_reshape_and_cache): kv_cache [num_blocks, Hkv, BS, 2*D]; per (block,
+// kv head) a key half of BS*D elements, then a value half of BS*D.
+//   kLayoutVec ("vec", "vec16" ISAs): key half transposed [D][BS], value half [BS][D].
+//   kLayoutAmx ("amx" ISA: bfloat16 on CPUs with AMX tiles), packed for AMX tile loads:
+//     key (t, e) at (t/16)*16*D + (e/2)*32 + (t%16)*2 + e%2   (16-token groups of dim pairs)
+//     value (t, e) at (e/16)*16*BS + (t/2)*32 + (e%16)*2 + t%2 (16-dim groups of token pairs)
+//   Pass 1 reads an AMX block through a float copy in the vec order (amx_to_float).
 // Semantics per tree request r (meta[r] = row_start, n1, root, req_index): row i of its n1
 // rows (node i, node 0 = root token at position `root`) attends to positions 0..root-1 and
 // to tree nodes j (position root + j) with anc[r][i][j] != 0 (anc[r][i][0] and [i][i] must be
@@ -30,6 +35,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -40,6 +46,44 @@ namespace {
 
 // Score of a masked (invisible) tree position: finite, exp(kMasked - max) == 0.
 constexpr float kMasked = -1e30f;
+
+constexpr int64_t kLayoutVec = 0, kLayoutAmx = 1;
+
+inline int64_t amx_key_index(int64_t t, int64_t e, int64_t d) { return (t / 16) * 16 * d + (e / 2) * 32 + (t % 16) * 2 + e % 2; }
+inline int64_t amx_value_index(int64_t t, int64_t e, int64_t bs) { return (e / 16) * 16 * bs + (t / 2) * 32 + (e % 16) * 2 + t % 2; }
+
+// One (block, kv head) of the AMX layout, positions 0..cnt-1 (rounded up to whole 16-token
+// groups, inside the block) -> float in the vec order: key [D][BS] at f, value [BS][D] at
+// f + BS*D. A run of 32 bf16 holds an (even, odd) pair per lane: even lanes are dims 2p
+// (key) or token 2p (value), odd lanes the next; bf16 -> float is a 16-bit shift.
+inline void amx_to_float(const c10::BFloat16* __restrict base, int64_t cnt, int64_t bs, int64_t d, float* __restrict f) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(base);
+  const int64_t groups = (cnt + 15) / 16;
+  auto split = [](const uint16_t* src, float* even, float* odd) {
+#ifdef __AVX512F__
+    const __m512i x = _mm512_loadu_si512(src);
+    _mm512_storeu_ps(even, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+    _mm512_storeu_ps(odd, _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+#else
+    for (int i = 0; i < 16; ++i) {
+      uint32_t lo = static_cast<uint32_t>(src[2 * i]) << 16, hi = static_cast<uint32_t>(src[2 * i + 1]) << 16;
+      std::memcpy(even + i, &lo, 4);
+      std::memcpy(odd + i, &hi, 4);
+    }
+#endif
+  };
+  for (int64_t g = 0; g < groups; ++g)  // key: group g, dim pair p -> rows 2p, 2p+1 of [D][BS]
+    for (int64_t p = 0; p < d / 2; ++p)
+      split(raw + g * 16 * d + p * 32, f + (2 * p) * bs + g * 16, f + (2 * p + 1) * bs + g * 16);
+  float* fv = f + bs * d;
+  float even[16], odd[16];
+  for (int64_t tp = 0; tp < groups * 8; ++tp)  // value: token pair tp, dim group eg
+    for (int64_t eg = 0; eg < d / 16; ++eg) {
+      split(raw + bs * d + eg * 16 * bs + tp * 32, even, odd);
+      std::memcpy(fv + (2 * tp) * d + eg * 16, even, sizeof(even));
+      std::memcpy(fv + (2 * tp + 1) * d + eg * 16, odd, sizeof(odd));
+    }
+}
 
 // Register tiles of the AVX-512 path: QT queries x JT positions of scores (QK: 8 zmm
 // accumulators), QT queries x ET head dims of output (PV: 16). The general loops load and
@@ -102,7 +146,7 @@ inline void pv_tile(const float*, int64_t, const float*, int64_t, int64_t, float
 template <typename T>
 void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& output,
                          const torch::Tensor& meta, const torch::Tensor& block_table,
-                         const torch::Tensor& anc, double scale) {
+                         const torch::Tensor& anc, double scale, int64_t layout) {
   const int64_t num_heads = query.size(1), d = query.size(2);
   const int64_t hkv = kv_cache.size(1), bs = kv_cache.size(2);
   const int64_t group = num_heads / hkv;
@@ -131,7 +175,9 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
   const bool tiled = kTiles && bs % kJT == 0 && d % kET == 0;
   const int64_t qpad = (qmax + kQT - 1) / kQT * kQT;  // query rows padded to whole tiles
   at::parallel_for(0, num_req * hkv * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(qpad * d, 0.0f), s(qpad * bs), kvf(tiled && !std::is_same<T, float>::value ? 2 * bs * d : 0);
+    // A float copy of each (block, head) in the vec order, unless the cache is one already.
+    const bool direct = std::is_same<T, float>::value && layout == kLayoutVec;
+    std::vector<float> qf(qpad * d, 0.0f), s(qpad * bs), kvf(direct ? 0 : 2 * bs * d);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / (hkv * num_chunks), h = (w / num_chunks) % hkv, c = w % num_chunks;
       const int64_t start = m[r * 4], n1 = m[r * 4 + 1], root = m[r * 4 + 2], req = m[r * 4 + 3];
@@ -151,19 +197,22 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
         }
       std::fill(qf.begin() + nq * d, qf.end(), 0.0f);  // padding rows (an earlier item's queries)
       const T* base = kv + (static_cast<int64_t>(bt[req * bt_s0 + c]) * hkv + h) * head_stride;
-      // Tiled path: a float view of this (block, head), key half then value half as in the
-      // cache: the cache itself, or a float copy of it.
-      const float* kf = nullptr;
+      // A float view of this (block, head) in the vec order (key [D][BS], value [BS][D]): the
+      // cache itself, or a float copy of its first cnt positions.
+      const float* kf = kvf.data();
+      if constexpr (std::is_same<T, float>::value) {
+        if (direct) kf = base;
+      }
+      if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        if (layout == kLayoutAmx) amx_to_float(base, cnt, bs, d, kvf.data());
+      }
+      if (!direct && layout == kLayoutVec) {
+        for (int64_t e = 0; e < d; ++e)
+          for (int64_t j = 0; j < cnt; ++j) kvf[e * bs + j] = static_cast<float>(base[e * bs + j]);
+        for (int64_t j = 0; j < cnt; ++j)
+          for (int64_t e = 0; e < d; ++e) kvf[bs * d + j * d + e] = static_cast<float>(base[bs * d + j * d + e]);
+      }
       if (tiled) {
-        if constexpr (std::is_same<T, float>::value) {
-          kf = base;
-        } else {
-          for (int64_t e = 0; e < d; ++e)
-            for (int64_t j = 0; j < cnt; ++j) kvf[e * bs + j] = static_cast<float>(base[e * bs + j]);
-          for (int64_t j = 0; j < cnt; ++j)
-            for (int64_t e = 0; e < d; ++e) kvf[bs * d + j * d + e] = static_cast<float>(base[bs * d + j * d + e]);
-          kf = kvf.data();
-        }
         // Whole JT-position tiles: positions cnt..round-up(cnt) are read (inside the block) and
         // their scores never used.
         const int64_t cnt_tiles = (cnt + kJT - 1) / kJT * kJT;
@@ -175,11 +224,11 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
         // measured 1.4x slower than these loops on the 2-core EPYC (gcc 12, -O3 -mavx2 -mfma).
         std::fill(s.begin(), s.begin() + nq * bs, 0.0f);
         for (int64_t e = 0; e < d; ++e) {
-          const T* kr = base + e * bs;
+          const float* kr = kf + e * bs;
           for (int64_t qi = 0; qi < nq; ++qi) {
             const float qe = qf[qi * d + e];
             float* sq = s.data() + qi * bs;
-            for (int64_t j = 0; j < cnt; ++j) sq[j] += qe * static_cast<float>(kr[j]);
+            for (int64_t j = 0; j < cnt; ++j) sq[j] += qe * kr[j];
           }
         }
       }
@@ -215,15 +264,15 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
         continue;
       }
       // acc[qi] += w[qi][j] * v_j; rows of the value half are contiguous [D].
-      const T* vb = base + bs * d;
+      const float* vb = kf + bs * d;
       for (int64_t qi = 0; qi < nq; ++qi) std::fill(pw + qi * part, pw + qi * part + d, 0.0f);
       for (int64_t j = 0; j < cnt; ++j) {
-        const T* vr = vb + j * d;
+        const float* vr = vb + j * d;
         for (int64_t qi = 0; qi < nq; ++qi) {
           const float wgt = s[qi * bs + j];
           if (wgt == 0.0f) continue;
           float* acc = pw + qi * part;
-          for (int64_t e = 0; e < d; ++e) acc[e] += wgt * static_cast<float>(vr[e]);
+          for (int64_t e = 0; e < d; ++e) acc[e] += wgt * vr[e];
         }
       }
     }
@@ -261,44 +310,54 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
 
 // query [T, Hq, D] and output [T, Hq, D] (last dim contiguous), kv_cache [NB, Hkv, BS, 2*D]
 // contiguous, meta int64 [R, 4], block_table int32 [num_reqs, max_blocks] (rows contiguous),
-// anc uint8 [R, NMAX, NMAX]. Checked by the Python wrapper (kernels/tree_attention_cpu.py).
+// anc uint8 [R, NMAX, NMAX], layout kLayoutVec or kLayoutAmx. Checked by the Python wrapper (kernels/tree_attention_cpu.py).
 void tree_attention_cpu(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor output,
                         const torch::Tensor& meta, const torch::Tensor& block_table, const torch::Tensor& anc,
-                        double scale) {
+                        double scale, int64_t layout) {
+  TORCH_CHECK(layout == kLayoutVec || (layout == kLayoutAmx && kv_cache.scalar_type() == at::kBFloat16 &&
+              kv_cache.size(2) % 16 == 0 && query.size(2) % 16 == 0), "tree_attention_cpu: unsupported KV layout");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "tree_attention_cpu", [&] {
-    tree_attention_impl<scalar_t>(query, kv_cache, output, meta, block_table, anc, scale);
+    tree_attention_impl<scalar_t>(query, kv_cache, output, meta, block_table, anc, scale, layout);
   });
 }
 
-// KV compaction of accepted tree paths, every layer in one call. caches: 4-D views
-// [num_blocks, block_size, Hkv, D] with any strides (the K and V views of each layer, e.g.
-// tree_verify.cpu_cache_views, whose key view is strided over D); src, dst int64 [M] flat
-// slots (block * block_size + offset), no -1. Per cache, every source row is read before any
-// destination row is written (a destination may be another move's source). Same contract as
-// kernels.kv_compact_ref; one Python call instead of two indexing ops per cache.
-void kv_compact_cpu(const std::vector<torch::Tensor>& caches, const torch::Tensor& src, const torch::Tensor& dst) {
+// KV compaction of accepted tree paths, every layer in one call. kv_caches: each layer's
+// cache [num_blocks, Hkv, BS, 2*D], contiguous, in `layout`; src, dst int64 [M] flat slots
+// (block * BS + offset), no -1. Per cache, every source token is read before any destination
+// is written (a destination may be another move's source). Same contract as
+// kernels.kv_compact_ref on the caches' (key, value) token views; one Python call instead
+// of two indexing ops per cache.
+void kv_compact_cpu(const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& src, const torch::Tensor& dst,
+                    int64_t layout) {
   const int64_t moves = src.numel();
-  if (moves == 0 || caches.empty()) return;
+  if (moves == 0 || kv_caches.empty()) return;
+  TORCH_CHECK(layout == kLayoutVec || layout == kLayoutAmx, "kv_compact_cpu: unsupported KV layout");
   const int64_t* s = src.data_ptr<int64_t>();
   const int64_t* t = dst.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, caches[0].scalar_type(), "kv_compact_cpu", [&] {
-    at::parallel_for(0, static_cast<int64_t>(caches.size()), 1, [&](int64_t begin, int64_t end) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_caches[0].scalar_type(), "kv_compact_cpu", [&] {
+    at::parallel_for(0, static_cast<int64_t>(kv_caches.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> rows;
+      std::vector<int64_t> offsets;  // element offsets of one token inside a (block, head): K then V
       for (int64_t c = begin; c < end; ++c) {
-        const torch::Tensor& cache = caches[c];
-        const int64_t bs = cache.size(1), hkv = cache.size(2), d = cache.size(3);
-        const int64_t sb = cache.stride(0), so = cache.stride(1), sh = cache.stride(2), se = cache.stride(3);
+        const torch::Tensor& cache = kv_caches[c];
+        const int64_t hkv = cache.size(1), bs = cache.size(2), d = cache.size(3) / 2;
+        const int64_t head_stride = bs * 2 * d, block_stride = hkv * head_stride;
         scalar_t* base = cache.data_ptr<scalar_t>();
-        rows.resize(moves * hkv * d);
-        for (int pass = 0; pass < 2; ++pass)  // 0: gather every source row, 1: scatter
+        rows.resize(moves * hkv * 2 * d);
+        offsets.resize(2 * d);
+        for (int pass = 0; pass < 2; ++pass)  // 0: gather every source token, 1: scatter
           for (int64_t m = 0; m < moves; ++m) {
-            const int64_t slot = pass == 0 ? s[m] : t[m];
-            scalar_t* row = base + (slot / bs) * sb + (slot % bs) * so;
-            scalar_t* buf = rows.data() + m * hkv * d;
+            const int64_t slot = pass == 0 ? s[m] : t[m], off = slot % bs;
+            for (int64_t e = 0; e < d; ++e) {
+              offsets[e] = layout == kLayoutAmx ? amx_key_index(off, e, d) : e * bs + off;
+              offsets[d + e] = bs * d + (layout == kLayoutAmx ? amx_value_index(off, e, bs) : off * d + e);
+            }
+            scalar_t* blk = base + (slot / bs) * block_stride;
+            scalar_t* buf = rows.data() + m * hkv * 2 * d;
             for (int64_t h = 0; h < hkv; ++h)
-              for (int64_t e = 0; e < d; ++e) {
-                scalar_t& x = row[h * sh + e * se];
-                if (pass == 0) buf[h * d + e] = x; else x = buf[h * d + e];
+              for (int64_t e = 0; e < 2 * d; ++e) {
+                scalar_t& x = blk[h * head_stride + offsets[e]];
+                if (pass == 0) buf[h * 2 * d + e] = x; else x = buf[h * 2 * d + e];
               }
           }
       }
