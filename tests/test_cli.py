@@ -55,6 +55,22 @@ def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, 
     assert options["tree"] == ("small_4" if "avx512f" in flags else "chain2")
 
 
+@pytest.mark.parametrize("dtype_args, flags, options", [
+    (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
+    (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
+    (["--dtype", "float32"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
+    (["--dtype", "bfloat16"], {"avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
+])
+def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_with_heads, monkeypatch, dtype_args,
+                                                                      flags, options) -> None:
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
+    argv = cli.serve_argv(None, "h", 1, dtype_args)
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "clover", "model": str(default_with_heads), **options}
+    if options is cli.SHIPPED_SERVE_OPTIONS_AMX_BF16:  # 1 root + 4 tree nodes + 9 lookup tokens
+        assert (spec["prompt_lookup_tokens"], spec["tree_token_budget"]) == (9, 14)
+
+
 def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> None:
     monkeypatch.setattr(cpu_env, "is_cpu_platform", lambda: False)
     argv = cli.serve_argv(None, "h", 1, [])

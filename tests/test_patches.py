@@ -56,3 +56,25 @@ def test_clover_architecture_is_registered() -> None:
 
     patches.apply_all()
     assert "CloverForSpeculativeDecoding" in ModelRegistry.get_supported_archs()
+
+
+def test_drafter_custom_ops_run_their_platform_kernel_when_the_target_is_compiled() -> None:
+    """Under a compiled target's config vLLM disables custom ops (their forward is a
+    torch.compile-wrapped forward_native); run_custom_ops_natively points the drafter's at
+    the kernel an enabled op dispatches to (forward_cpu here), with the same results."""
+    import torch
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from vllm_clover.vllm_model import run_custom_ops_natively
+
+    config = VllmConfig(compilation_config=CompilationConfig(mode=3, custom_ops=["none"]))
+    with set_current_vllm_config(config):
+        block = torch.nn.Sequential(RMSNorm(64), SiluAndMul())
+        assert block[0]._forward_method != block[0].forward_cpu  # disabled: forward_native
+        assert run_custom_ops_natively(block) == 2
+        assert block[0]._forward_method == block[0].forward_cpu and block[1]._forward_method == block[1].forward_cpu
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(block[0](x), block[0].forward_native(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(block[1](x), SiluAndMul.forward_native(x), rtol=1e-5, atol=1e-5)
