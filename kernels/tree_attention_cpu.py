@@ -118,7 +118,8 @@ def kv_compact_cpu(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_s
     the layers' [num_blocks, Hkv, block_size, 2*D] tensors (contiguous, one dtype) in the
     layout of ``isa``; each move copies the token's K and V for every KV head. Every cache in
     one C++ call: the PyTorch path costs two indexing ops per K/V view: 1.5 ms for 2 moves
-    over the default model's 30 layers on a 2-core Xeon, this 0.17 ms."""
+    over the default model's 30 layers on a 2-core Xeon, this 0.08 ms (float32; 0.06 ms in
+    bf16's amx layout; mean of 500 calls, 40 blocks of 128 per layer)."""
     from kernels.kv_compact import _check
 
     _check([], src_slots, dst_slots)

@@ -629,8 +629,8 @@ CATALOGUE: list[Patch] = [
             "The Augmenting-Block layers' RMSNorm, rotary embedding and SiluAndMul call their "
             "platform kernels (forward_cpu / forward_cuda, as an enabled custom op) instead of "
             "the torch.compile-wrapped forward_native vLLM gives disabled ops when the target "
-            "is compiled: the drafter runs eagerly, and each compiled-region call cost 75-215 us "
-            "(1 ms of the trunk's 3 ms per step, 2-core Xeon, bf16). Set per drafter at "
+            "is compiled: the drafter runs eagerly, and each compiled-region call cost 115-215 us "
+            "(trunk 2.98 -> 2.47 ms per step without them, 2-core Xeon, bf16). Set per drafter at "
             "construction (vllm_model.run_custom_ops_natively), never on the target's layers."
         ),
         remove_when="vLLM compiles draft models with the target, or lets a module opt into its custom ops",
