@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from kernels.tree_attention_cpu import enabled as cpu_kernel_enabled
+from kernels.tree_attention_cpu import LAYOUTS as CPU_KERNEL_LAYOUTS
 from kernels.tree_attention_cpu import kv_compact_cpu, tree_attention_paged_cpu
 from vllm_clover.tree import (StaticTree, TreeBuffers, buffers_from_parents, get_tree, greedy_accept,
                               sample_accept)
@@ -54,8 +55,8 @@ GREEDY_TEMPERATURE = 0.0
 # vLLM's padding in sampler outputs (rejection_sampler.PLACEHOLDER_TOKEN_ID).
 PLACEHOLDER_TOKEN_ID = -1
 # CPU attention ISAs whose KV layout tree verification reads (checked by check_cpu_kv_layout):
-# the PyTorch path through cpu_cache_views (vec, vec16), the C++ kernel all three.
-CPU_TREE_ISAS = ("vec", "vec16", "amx")
+# the PyTorch path through cpu_cache_views (vec, vec16), the C++ kernel those of its LAYOUTS.
+CPU_TREE_ISAS = tuple(CPU_KERNEL_LAYOUTS)
 CPU_VIEW_ISAS = ("vec", "vec16")
 
 
@@ -363,6 +364,7 @@ class CloverRejectionSampler(torch.nn.Module):
         self.inner = inner
         self._kv_layers = kv_layers  # () -> list of (impl, kv_cache, CPU isa or None), target layers
         self._layers: list[tuple[Any, Tensor, str | None]] | None = None  # built once (bound at start-up)
+        self._isa: str | None = None  # their CPU attention ISA (one for all), with _layers
         self._caches: list[Tensor] | None = None  # their K/V views, built once
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
@@ -464,12 +466,13 @@ class CloverRejectionSampler(torch.nn.Module):
         dst = torch.stack([m[1] for m in moves])[None]
         if self._layers is None:
             self._layers = self._kv_layers()
-        layers = self._layers
-        if layers[0][1].device.type == "cpu" and cpu_kernel_enabled():
-            isas = {isa for _, _, isa in layers}
+            isas = {isa for _, _, isa in self._layers}
             if len(isas) != 1:
                 raise RuntimeError(f"vllm-clover: target layers with different CPU KV layouts {sorted(map(str, isas))}")
-            kv_compact_cpu([kv_cache for _, kv_cache, _ in layers], src, dst, isas.pop())  # one C++ call
+            self._isa = isas.pop()
+        layers = self._layers
+        if layers[0][1].device.type == "cpu" and cpu_kernel_enabled():
+            kv_compact_cpu([kv_cache for _, kv_cache, _ in layers], src, dst, self._isa)  # one C++ call
             return
         if self._caches is None:
             self._caches = [view for impl, kv_cache, _ in layers for view in cache_views(impl, kv_cache)]
