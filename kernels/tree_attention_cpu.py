@@ -11,6 +11,10 @@ in the order of the attention ISA vLLM picked (``layer.isa``; :data:`LAYOUTS`): 
 ``amx`` (bfloat16 on CPUs with AMX tiles) packs both for AMX tile loads (the C++ source has
 the index formulas; ``vllm_clover.tree_verify.cpu_cache_tokens`` reads them in PyTorch).
 
+On CPUs with AMX tiles the kernel is built with them and multiplies ``amx`` blocks in place
+(bf16 products, float accumulation and softmax; :func:`amx_tiles_usable`); elsewhere it reads
+them through a float copy.
+
 Building needs a C++ compiler (g++) and ninja; :func:`load` raises ``CpuKernelBuildError``
 naming what failed. Set ``VLLM_CLOVER_CPU_TREE_KERNEL=0`` to use the PyTorch path instead.
 """
@@ -58,8 +62,18 @@ def _isa_flags() -> list[str]:
     # torch's build hash, so another CPU (or flag set) gets its own build.
     capability = torch.backends.cpu.get_cpu_capability()
     if capability == "AVX512":  # the kernel's register tiles are sized for 32 zmm registers
-        return ["-mavx2", "-mfma", "-mavx512f"]
+        # + AMX tiles (and the AVX-512 extensions every AMX CPU has) for the amx layout
+        amx = ["-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512bw", "-mavx512vl"]
+        return ["-mavx2", "-mfma", "-mavx512f", *(amx if torch.cpu._is_amx_tile_supported() else [])]
     return ["-mavx2", "-mfma"] if capability == "AVX2" else []
+
+
+@functools.lru_cache(maxsize=1)
+def amx_tiles_usable() -> bool:
+    """The kernel may multiply amx-layout blocks with AMX tiles: it was built with them and
+    Linux granted this process the tile state (``torch._C._cpu._init_amx``, the request
+    vLLM's own AMX kernels rely on). Else those blocks go through a float copy."""
+    return bool(load().has_amx_tiles()) and torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx()
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,7 +122,8 @@ def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output
     if layout == LAYOUTS["amx"] and (query.dtype != torch.bfloat16 or kv_cache.shape[2] % 16 or query.shape[2] % 16):
         raise ValueError(f"the amx KV layout needs bfloat16, block size and head size multiples of 16; "
                          f"got {query.dtype}, kv_cache {tuple(kv_cache.shape)}")
-    load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale), layout)
+    amx_tiles = layout == LAYOUTS["amx"] and amx_tiles_usable()
+    load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale), layout, amx_tiles)
 
 
 def kv_compact_cpu(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.tree_attention_cpu import LAYOUTS, amx_tiles_usable, tree_attention_paged_cpu
+from kernels.tree_attention_cpu import load as load_cpu_kernel
 from vllm_clover.tree import StaticTree, buffers_from_parents, get_tree, greedy_accept
 from vllm_clover.tree_verify import (TreeRequest, TreeStep, chain_metadata, chain_only_reason,
-                                     check_cpu_kv_layout, cpu_cache_tokens, cpu_cache_views, select_tree, spine,
-                                     tree_attention_rows, trunk_view)
+                                     check_cpu_kv_layout, cpu_cache_tokens, cpu_cache_views, cpu_kernel_inputs,
+                                     select_tree, spine, tree_attention_rows, trunk_view)
 
 TREE = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], "t7")
 
@@ -57,6 +59,39 @@ def test_amx_pack_inverts_cpu_cache_tokens() -> None:
     key, value = torch.randn(2, 2, 32, 3, 64, generator=g).bfloat16()
     k2, v2 = cpu_cache_tokens(_amx_pack(key, value), 64, "amx")
     assert torch.equal(k2, key) and torch.equal(v2, value)
+
+
+@needs_amx
+@pytest.mark.parametrize("block,prefix,n1", [(128, 0, 1), (128, 37, 14), (128, 250, 17), (32, 3, 6), (32, 61, 9)])
+def test_amx_tiles_ignore_unwritten_cache_slots(block, prefix, n1) -> None:
+    """With AMX tiles the kernel multiplies whole 32-position chunks of a block: slots past
+    the sequence (here NaN; in vLLM whatever an earlier request left) must not reach the
+    output. Equals float64 tree attention within bf16 tolerance, prefixes ending mid-chunk
+    (odd and even), GQA 9/3 heads of 64."""
+    assert amx_tiles_usable()
+    g = torch.Generator().manual_seed(block + prefix)
+    hq, hkv, d, nb = 9, 3, 64, 12
+    length = prefix + n1
+    key, value = torch.randn(2, nb, block, hkv, d, generator=g).bfloat16()
+    table = torch.randperm(nb, generator=g)[:(length + block - 1) // block].to(torch.int32)
+    pos = torch.arange(len(table) * block)
+    blk, off = table.long()[pos // block], pos % block
+    garbage_k, garbage_v = key.clone(), value.clone()
+    garbage_k[blk[length:], off[length:]] = float("nan")
+    garbage_v[blk[length:], off[length:]] = float("nan")
+    parent = [-1] + [int(torch.randint(0, n, (1,), generator=g)) for n in range(1, n1)]
+    anc = buffers_from_parents(torch.tensor([parent])).ancestor_mask.to(torch.uint8).contiguous()
+    query = torch.randn(n1, hq, d, generator=g).bfloat16()
+    out = torch.zeros_like(query)
+    tree_attention_paged_cpu(query, _amx_pack(garbage_k, garbage_v), out, torch.tensor([[0, n1, prefix, 0]]),
+                             table[None], anc, 1 / 8, "amx")
+    mask = torch.ones(n1, length, dtype=torch.bool)
+    mask[:, prefix:] = anc[0].bool()
+    k, v = key[blk[:length], off[:length]].double(), value[blk[:length], off[:length]].double()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.double().transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask, scale=1 / 8).transpose(0, 1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
 def _paged_cache(k: torch.Tensor, v: torch.Tensor, block: int, blocks: list[int], nb: int = 6):
@@ -110,7 +145,8 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
     """Several tree requests with random trees and prefixes (some straddling blocks, one
     empty), GQA 9/3 heads of 64 as in the default model: the C++ kernel equals the PyTorch
     path, and both equal float64 dense attention; rows of non-tree requests stay as they were.
-    In bfloat16 the kernel also reads the same K/V packed in the amx layout, to the bit."""
+    In bfloat16 the kernel also reads the same K/V packed in the amx layout: through its float
+    copy to the bit, and with AMX tiles (where the CPU has them) within bf16 tolerance."""
     g = torch.Generator().manual_seed(1)
     hq, hkv, d = 9, 3, 64
     nb = 40
@@ -138,10 +174,15 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
                             TreeStep(num_tokens=start, requests=[dataclasses.replace(r) for r in requests]))
     if dtype == torch.bfloat16:
         monkeypatch.setenv("VLLM_CLOVER_CPU_TREE_KERNEL", "1")
-        amx = torch.full((start, hq * d), 7.0, dtype=dtype)
-        tree_attention_rows(impl, query, _amx_pack(key, value), meta, amx,
-                            TreeStep(num_tokens=start, requests=[dataclasses.replace(r) for r in requests]), "amx")
-        assert torch.equal(amx, outs["1"])
+        packed = _amx_pack(key, value)
+        step = TreeStep(num_tokens=start, requests=[dataclasses.replace(r) for r in requests])
+        copied = torch.full((start, hq * d), 7.0, dtype=dtype)
+        kmeta, kanc = cpu_kernel_inputs(step)
+        load_cpu_kernel().tree_attention_cpu(query, packed, copied.view(start, hq, d), kmeta, table, kanc, impl.scale,
+                                             LAYOUTS["amx"], False)  # the float-copy path, on any CPU
+        assert torch.equal(copied, outs["1"])
+        outs["amx"] = torch.full((start, hq * d), 7.0, dtype=dtype)
+        tree_attention_rows(impl, query, packed, meta, outs["amx"], step, "amx")  # AMX tiles where usable
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["1"], outs["0"], **tol)
     touched = torch.zeros(start, dtype=torch.bool)
@@ -156,8 +197,10 @@ def test_cpu_kernel_matches_torch_path_on_random_trees(dtype, block, monkeypatch
         ref = torch.nn.functional.scaled_dot_product_attention(
             query[r.start:r.start + n1].double().transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1),
             v.repeat_interleave(3, 1).transpose(0, 1), attn_mask=mask).transpose(0, 1)
-        torch.testing.assert_close(outs["1"][r.start:r.start + n1].view(n1, hq, d).double(), ref, **tol)
-    assert torch.all(outs["1"][~touched] == 7.0)
+        for key_ in outs.keys() - {"0"}:
+            torch.testing.assert_close(outs[key_][r.start:r.start + n1].view(n1, hq, d).double(), ref, **tol)
+    for out in outs.values():
+        assert torch.all(out[~touched] == 7.0)
 
 
 @pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), (torch.bfloat16, "vec"), (torch.bfloat16, "amx")])

@@ -12,7 +12,9 @@
 //   kLayoutAmx ("amx" ISA: bfloat16 on CPUs with AMX tiles), packed for AMX tile loads:
 //     key (t, e) at (t/16)*16*D + (e/2)*32 + (t%16)*2 + e%2   (16-token groups of dim pairs)
 //     value (t, e) at (e/16)*16*BS + (t/2)*32 + (e%16)*2 + t%2 (16-dim groups of token pairs)
-//   Pass 1 reads an AMX block through a float copy in the vec order (amx_to_float).
+//   Pass 1 multiplies an amx block in place with AMX tiles (bf16 products, float sums and
+//   softmax; amx_qk, amx_pv) when built for them and allowed, else reads it through a float
+//   copy in the vec order (amx_to_float).
 // Semantics per tree request r (meta[r] = row_start, n1, root, req_index): row i of its n1
 // rows (node i, node 0 = root token at position `root`) attends to positions 0..root-1 and
 // to tree nodes j (position root + j) with anc[r][i][j] != 0 (anc[r][i][0] and [i][i] must be
@@ -46,6 +48,8 @@ namespace {
 
 // Score of a masked (invisible) tree position: finite, exp(kMasked - max) == 0.
 constexpr float kMasked = -1e30f;
+// Softmax weights below exp(kExpFloor) = 1.8e-35 of the row's largest count as 0.
+constexpr float kExpFloor = -80.0f;
 
 constexpr int64_t kLayoutVec = 0, kLayoutAmx = 1;
 
@@ -143,10 +147,195 @@ inline void qk_tile(const float*, int64_t, const float*, int64_t, float*) {}
 inline void pv_tile(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t) {}
 #endif
 
+// AMX tiles (built with -mamx-tile -mamx-bf16 on CPUs that have them; used for the amx
+// layout, which vLLM packs for exactly these tile loads). Every tile is 16 rows x 64 bytes:
+// A = 16 queries x 32 bf16 (QK: head dims; PV: probabilities of 32 positions), B = 16 rows
+// of (even, odd) bf16 pairs (QK: a key group's dim pairs x 16 tokens; PV: token pairs x 16
+// value dims), C = 16 x 16 float. tmm0 holds A, tmm2/3 B, tmm4..7 C.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+constexpr bool kAmxTiles = true;
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// Tile state is per thread: configured at the start of each parallel chunk and released at
+// its end (vLLM's own AMX attention loads its configuration in every call, as does oneDNN).
+inline void amx_begin() {
+  alignas(64) TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+}
+inline void amx_end() { _tile_release(); }
+
+// s[qt*16 + m][16g + n] = q_m . k_(16g+n) for every 16-query tile qt < nq and 16-token group
+// g < groups. qb: bf16 queries [16 * tiles][d] (rows past nq are read, their scores unused);
+// key: the block's amx key half. d % 32 == 0. Four groups at a time, one C tile each: a
+// single accumulator chain waits out each product's latency (measured 2x slower).
+inline void amx_qk(const c10::BFloat16* qb, int64_t nq, int64_t d, const c10::BFloat16* key, int64_t groups,
+                   float* s, int64_t bs) {
+  for (int64_t qt = 0; qt < nq; qt += 16)
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, groups - g0);
+      _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+      for (int64_t ks = 0; ks < d / 32; ++ks) {
+        _tile_loadd(0, qb + qt * d + ks * 32, d * 2);
+        const c10::BFloat16* kb = key + g0 * 16 * d + ks * 16 * 32;
+        _tile_loadd(2, kb, 64); _tile_dpbf16ps(4, 0, 2);
+        if (ng > 1) { _tile_loadd(3, kb + 16 * d, 64); _tile_dpbf16ps(5, 0, 3); }
+        if (ng > 2) { _tile_loadd(2, kb + 32 * d, 64); _tile_dpbf16ps(6, 0, 2); }
+        if (ng > 3) { _tile_loadd(3, kb + 48 * d, 64); _tile_dpbf16ps(7, 0, 3); }
+      }
+      float* sp = s + qt * bs + g0 * 16;
+      _tile_stored(4, sp, bs * 4);
+      if (ng > 1) _tile_stored(5, sp + 16, bs * 4);
+      if (ng > 2) _tile_stored(6, sp + 32, bs * 4);
+      if (ng > 3) _tile_stored(7, sp + 48, bs * 4);
+    }
+}
+
+// e^x for x in [kExpFloor, 0], 16 lanes: 2^(x log2 e) = 2^n * 2^f, n = round(x log2 e),
+// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~1e-7, below the
+// bf16 rounding of the probabilities that follows). Inline, no scalar tail (libmvec's
+// expf costs ~20 cycles a call plus a scalar loop for the last cnt % 16 positions).
+inline __m512 exp_avx512(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // (t - n) ln 2
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_rows for the AMX path, 16 positions per step: scores (times `scale`: the queries
+// stay unscaled bf16; masked as in softmax_rows) -> each query's (max, sum) into pw and its unnormalised probabilities
+// in bf16 into pb (rows of stride bs), zero from cnt to round-up-32(cnt) for amx_pv.
+inline void amx_softmax(const float* s, int64_t bs, int64_t nq, int64_t cnt, float scale, const uint8_t* anc,
+                        int64_t nmax, int64_t group, int64_t shared, int64_t node_offset, float* pw, int64_t part,
+                        int64_t d, c10::BFloat16* pb) {
+  const int64_t cnt32 = (cnt + 31) / 32 * 32;
+  const __m512 masked = _mm512_set1_ps(kMasked), floor = _mm512_set1_ps(kExpFloor);
+  auto lanes = [](int64_t lo, int64_t hi) -> __mmask16 {  // lanes j with lo <= j < hi of a 16-chunk
+    lo = std::clamp<int64_t>(lo, 0, 16), hi = std::clamp<int64_t>(hi, 0, 16);
+    return hi <= lo ? 0 : static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+  };
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const uint8_t* allowed = anc + (qi / group) * nmax;
+    const float* sq = s + qi * bs;
+    __m512 vmax = masked;
+    for (int64_t j = 0; j < cnt; j += 16) {  // pass 1: the row's max over what it sees
+      const __mmask16 live = lanes(0, cnt - j), tree = lanes(shared - j, cnt - j);
+      const __mmask16 seen = (live & ~tree) |
+          _mm_mask_test_epi8_mask(tree, _mm_maskz_loadu_epi8(tree, allowed + j + node_offset), _mm_set1_epi8(-1));
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(live, sq + j), _mm512_set1_ps(scale));
+      vmax = _mm512_mask_max_ps(vmax, seen, vmax, x);
+    }
+    const float mx = _mm512_reduce_max_ps(vmax);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < cnt32; j += 16) {  // pass 2: exp, sum, bf16
+      const __mmask16 live = lanes(0, cnt - j), tree = lanes(shared - j, cnt - j);
+      const __mmask16 seen = (live & ~tree) |
+          _mm_mask_test_epi8_mask(tree, _mm_maskz_loadu_epi8(tree, allowed + j + node_offset), _mm_set1_epi8(-1));
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, sq + j), _mm512_set1_ps(scale)),
+                                     _mm512_set1_ps(mx));
+      const __mmask16 keep = seen & _mm512_cmp_ps_mask(x, floor, _CMP_GT_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp_avx512(_mm512_max_ps(x, floor)));
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + qi * bs + j),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    }
+    const float l = mx > 0.5f * kMasked ? _mm512_reduce_add_ps(vsum) : 0.0f;
+    pw[qi * part + d] = mx;
+    pw[qi * part + d + 1] = l;
+  }
+}
+
+// acc[qi][e] = sum_j p[qi][j] v_j[e] (j < cnt) into the partials pw (row stride `part`).
+// pb: bf16 probabilities [16 * tiles][bs], zero at positions cnt..round-up-32(cnt); value:
+// the block's amx value half. The last 32-position chunk is read through a copy whose
+// positions >= cnt are zeroed: unwritten cache slots may hold anything (NaN * 0 = NaN).
+// d % 64 == 0 (4 C tiles of 16 dims per pass).
+inline void amx_pv(const c10::BFloat16* pb, int64_t nq, const c10::BFloat16* value, int64_t cnt, int64_t bs,
+                   int64_t d, float* pw, int64_t part) {
+  alignas(64) float c[16 * 64];
+  alignas(64) c10::BFloat16 tail[4][16 * 32];
+  const int64_t chunks = (cnt + 31) / 32;
+  for (int64_t qt = 0; qt < nq; qt += 16)
+    for (int64_t e0 = 0; e0 < d; e0 += 64) {
+      _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+      for (int64_t tc = 0; tc < chunks; ++tc) {
+        const c10::BFloat16* v[4];
+        for (int q = 0; q < 4; ++q) v[q] = value + (e0 / 16 + q) * 16 * bs + tc * 16 * 32;
+        const int64_t live = cnt - tc * 32;  // positions of this chunk before cnt
+        if (live < 32) {
+          // Row k holds positions 2k (even lanes) and 2k + 1 (odd lanes): rows from
+          // ceil(live / 2) on are zeroed; an odd `live` leaves one row with its odd lanes dead.
+          for (int q = 0; q < 4; ++q) {
+            std::memcpy(tail[q], v[q], (live + 1) / 2 * 64);
+            std::memset(tail[q] + (live + 1) / 2 * 32, 0, (16 - (live + 1) / 2) * 64);
+            if (live % 2)
+              for (int n = 0; n < 16; ++n) tail[q][(live / 2) * 32 + n * 2 + 1] = c10::BFloat16(0.0f);
+            v[q] = tail[q];
+          }
+        }
+        _tile_loadd(0, pb + qt * bs + tc * 32, bs * 2);
+        _tile_loadd(2, v[0], 64); _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(3, v[1], 64); _tile_dpbf16ps(5, 0, 3);
+        _tile_loadd(2, v[2], 64); _tile_dpbf16ps(6, 0, 2);
+        _tile_loadd(3, v[3], 64); _tile_dpbf16ps(7, 0, 3);
+      }
+      _tile_stored(4, c, 64 * 4); _tile_stored(5, c + 16, 64 * 4);
+      _tile_stored(6, c + 32, 64 * 4); _tile_stored(7, c + 48, 64 * 4);
+      for (int64_t m = 0; m < std::min<int64_t>(16, nq - qt); ++m)
+        std::memcpy(pw + (qt + m) * part + e0, c + m * 64, 64 * sizeof(float));
+    }
+}
+#else
+constexpr bool kAmxTiles = false;
+inline void amx_begin() {}
+inline void amx_end() {}
+inline void amx_qk(const c10::BFloat16*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*, int64_t) {}
+inline void amx_softmax(const float*, int64_t, int64_t, int64_t, float, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                        float*, int64_t, int64_t, c10::BFloat16*) {}
+inline void amx_pv(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t, int64_t, float*, int64_t) {}
+#endif
+
+// Scores -> unnormalised probabilities of one item, in place, and each query's (max, sum)
+// into its partial (pw[qi * part + d], [d + 1]). Positions before `shared` are seen by every
+// row; position j >= shared is tree node j + node_offset and needs anc[i][node], else its
+// score becomes kMasked, whose exp is exactly 0 (no -inf: the build uses -ffast-math).
+// Branch-free loops, so exp is vectorised.
+inline void softmax_rows(float* s, int64_t bs, int64_t nq, int64_t cnt, const uint8_t* anc, int64_t nmax,
+                         int64_t group, int64_t shared, int64_t node_offset, float* pw, int64_t part, int64_t d) {
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const uint8_t* allowed = anc + (qi / group) * nmax;
+    float* sq = s + qi * bs;
+    for (int64_t j = shared; j < cnt; ++j)
+      if (!allowed[j + node_offset]) sq[j] = kMasked;
+    float mx = kMasked;
+    for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, sq[j]);
+    float l = 0.0f;
+    if (mx > 0.5f * kMasked) {
+      // exp's argument is clamped to kExpFloor: vectorised expf takes a slow scalar path
+      // for lanes far below (a masked score's -1e30 - max); those lanes become 0.
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float x = sq[j] - mx;
+        sq[j] = x > kExpFloor ? std::exp(std::max(x, kExpFloor)) : 0.0f;
+        l += sq[j];
+      }
+    } else {
+      std::fill(sq, sq + cnt, 0.0f);  // this row sees nothing here: l = 0, skipped in pass 2
+    }
+    pw[qi * part + d] = mx;
+    pw[qi * part + d + 1] = l;
+  }
+}
+
 template <typename T>
 void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor& output,
                          const torch::Tensor& meta, const torch::Tensor& block_table,
-                         const torch::Tensor& anc, double scale, int64_t layout) {
+                         const torch::Tensor& anc, double scale, int64_t layout, bool amx_tiles) {
   const int64_t num_heads = query.size(1), d = query.size(2);
   const int64_t hkv = kv_cache.size(1), bs = kv_cache.size(2);
   const int64_t group = num_heads / hkv;
@@ -173,11 +362,19 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
   // Tiled path when the block and head sizes are multiples of the tiles (the default model:
   // BS 128, D 64); the loops below stay as the general path.
   const bool tiled = kTiles && bs % kJT == 0 && d % kET == 0;
-  const int64_t qpad = (qmax + kQT - 1) / kQT * kQT;  // query rows padded to whole tiles
+  // AMX tiles read the amx layout's blocks in place (QK and PV in bf16, float accumulation):
+  // asked for by the caller (the CPU has AMX and the process may use it), bf16 only.
+  const bool amx = kAmxTiles && amx_tiles && std::is_same<T, c10::BFloat16>::value && layout == kLayoutAmx &&
+                   bs % 32 == 0 && d % 64 == 0;
+  const int64_t qtile = amx ? 16 : kQT;
+  const int64_t qpad = (qmax + qtile - 1) / qtile * qtile;  // query rows padded to whole tiles
   at::parallel_for(0, num_req * hkv * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    // A float copy of each (block, head) in the vec order, unless the cache is one already.
-    const bool direct = std::is_same<T, float>::value && layout == kLayoutVec;
-    std::vector<float> qf(qpad * d, 0.0f), s(qpad * bs), kvf(direct ? 0 : 2 * bs * d);
+    // A float copy of each (block, head) in the vec order, unless the cache is one already
+    // or AMX reads it as it is.
+    const bool direct = (std::is_same<T, float>::value && layout == kLayoutVec) || amx;
+    std::vector<float> qf(amx ? 0 : qpad * d, 0.0f), s(qpad * bs), kvf(direct ? 0 : 2 * bs * d);
+    std::vector<c10::BFloat16> qb(amx ? qpad * d : 0), pb(amx ? qpad * bs : 0);
+    if (amx) amx_begin();
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / (hkv * num_chunks), h = (w / num_chunks) % hkv, c = w % num_chunks;
       const int64_t start = m[r * 4], n1 = m[r * 4 + 1], root = m[r * 4 + 2], req = m[r * 4 + 3];
@@ -189,6 +386,20 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
         continue;
       }
       const int64_t cnt = p1 - p0;
+      const T* base = kv + (static_cast<int64_t>(bt[req * bt_s0 + c]) * hkv + h) * head_stride;
+      if constexpr (std::is_same<T, c10::BFloat16>::value) {
+        if (amx) {
+          for (int64_t i = 0; i < n1; ++i)
+            for (int64_t g = 0; g < group; ++g)
+              std::memcpy(qb.data() + (i * group + g) * d, q + (start + i) * q_s0 + (h * group + g) * q_s1,
+                          d * sizeof(T));
+          amx_qk(qb.data(), nq, d, base, (cnt + 15) / 16, s.data(), bs);
+          amx_softmax(s.data(), bs, nq, cnt, static_cast<float>(scale), mask + r * nmax * nmax, nmax, group,
+                      std::clamp<int64_t>(root - p0, 0, cnt), p0 - root, pw, part, d, pb.data());
+          amx_pv(pb.data(), nq, base + bs * d, cnt, bs, d, pw, part);
+          continue;
+        }
+      }
       for (int64_t i = 0; i < n1; ++i)
         for (int64_t g = 0; g < group; ++g) {
           const T* qp = q + (start + i) * q_s0 + (h * group + g) * q_s1;
@@ -196,7 +407,6 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
           for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<float>(qp[e]) * static_cast<float>(scale);
         }
       std::fill(qf.begin() + nq * d, qf.end(), 0.0f);  // padding rows (an earlier item's queries)
-      const T* base = kv + (static_cast<int64_t>(bt[req * bt_s0 + c]) * hkv + h) * head_stride;
       // A float view of this (block, head) in the vec order (key [D][BS], value [BS][D]): the
       // cache itself, or a float copy of its first cnt positions.
       const float* kf = kvf.data();
@@ -232,29 +442,8 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
           }
         }
       }
-      // Mask, max, exp, sum. Positions before `root` are seen by every row; a tree position
-      // p needs anc[i][p - root], else its score becomes kMasked, whose exp is exactly 0 (no
-      // -inf: the build uses -ffast-math). Branch-free loops, so exp is vectorised.
-      const int64_t shared = std::clamp<int64_t>(root - p0, 0, cnt);
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        const uint8_t* allowed = mask + (r * nmax + qi / group) * nmax;
-        float* sq = s.data() + qi * bs;
-        for (int64_t j = shared; j < cnt; ++j)
-          if (!allowed[p0 + j - root]) sq[j] = kMasked;
-        float mx = kMasked;
-        for (int64_t j = 0; j < cnt; ++j) mx = std::max(mx, sq[j]);
-        float l = 0.0f;
-        if (mx > 0.5f * kMasked) {
-          for (int64_t j = 0; j < cnt; ++j) {
-            sq[j] = std::exp(sq[j] - mx);
-            l += sq[j];
-          }
-        } else {
-          std::fill(sq, sq + cnt, 0.0f);  // this row sees nothing here: l = 0, skipped in pass 2
-        }
-        pw[qi * part + d] = mx;
-        pw[qi * part + d + 1] = l;
-      }
+      softmax_rows(s.data(), bs, nq, cnt, mask + r * nmax * nmax, nmax, group, std::clamp<int64_t>(root - p0, 0, cnt),
+                   p0 - root, pw, part, d);
       if (tiled) {
         // acc[qi] = sum_j w[qi][j] * v_j, QT queries x ET head dims in registers per tile.
         const float* vf = kf + bs * d;
@@ -276,6 +465,7 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
         }
       }
     }
+    if (amx) amx_end();
   });
 
   // Pass 2: (request, row, query head) -> merge partials over chunks, write the output row.
@@ -310,14 +500,16 @@ void tree_attention_impl(const torch::Tensor& query, const torch::Tensor& kv_cac
 
 // query [T, Hq, D] and output [T, Hq, D] (last dim contiguous), kv_cache [NB, Hkv, BS, 2*D]
 // contiguous, meta int64 [R, 4], block_table int32 [num_reqs, max_blocks] (rows contiguous),
-// anc uint8 [R, NMAX, NMAX], layout kLayoutVec or kLayoutAmx. Checked by the Python wrapper (kernels/tree_attention_cpu.py).
+// anc uint8 [R, NMAX, NMAX], layout kLayoutVec or kLayoutAmx; amx_tiles: the caller allows
+// AMX instructions (the CPU has them and the process was granted tile state). Checked by the
+// Python wrapper (kernels/tree_attention_cpu.py).
 void tree_attention_cpu(const torch::Tensor& query, const torch::Tensor& kv_cache, torch::Tensor output,
                         const torch::Tensor& meta, const torch::Tensor& block_table, const torch::Tensor& anc,
-                        double scale, int64_t layout) {
+                        double scale, int64_t layout, bool amx_tiles) {
   TORCH_CHECK(layout == kLayoutVec || (layout == kLayoutAmx && kv_cache.scalar_type() == at::kBFloat16 &&
               kv_cache.size(2) % 16 == 0 && query.size(2) % 16 == 0), "tree_attention_cpu: unsupported KV layout");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "tree_attention_cpu", [&] {
-    tree_attention_impl<scalar_t>(query, kv_cache, output, meta, block_table, anc, scale, layout);
+    tree_attention_impl<scalar_t>(query, kv_cache, output, meta, block_table, anc, scale, layout, amx_tiles);
   });
 }
 
@@ -368,4 +560,5 @@ void kv_compact_cpu(const std::vector<torch::Tensor>& kv_caches, const torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("tree_attention_cpu", &tree_attention_cpu, "tree-masked attention over vLLM's CPU KV cache");
   module.def("kv_compact_cpu", &kv_compact_cpu, "move accepted tree rows of many KV caches to their slots");
+  module.def("has_amx_tiles", [] { return kAmxTiles; }, "built with the AMX tile path (-mamx-tile -mamx-bf16)");
 }
