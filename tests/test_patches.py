@@ -74,7 +74,16 @@ def test_drafter_custom_ops_run_their_platform_kernel_when_the_target_is_compile
         block = torch.nn.Sequential(RMSNorm(64), SiluAndMul())
         assert block[0]._forward_method != block[0].forward_cpu  # disabled: forward_native
         assert run_custom_ops_natively(block) == 2
-        assert block[0]._forward_method == block[0].forward_cpu and block[1]._forward_method == block[1].forward_cpu
+        assert block[1]._forward_method == block[1].forward_cpu
         x = torch.randn(3, 64)
         torch.testing.assert_close(block[0](x), block[0].forward_native(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(block[1](x), SiluAndMul.forward_native(x), rtol=1e-5, atol=1e-5)
+        # RMSNorm on CPU: vLLM's C kernels (no forward_cpu of its own), residual form too,
+        # leaving the caller's tensors as they were.
+        assert block[0]._forward_method != block[0].forward_cpu
+        block[0].weight.data.normal_()
+        residual = torch.randn(3, 64)
+        before = (x.clone(), residual.clone())
+        for got, want in zip(block[0](x, residual), block[0].forward_native(x, residual)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x, before[0]) and torch.equal(residual, before[1])

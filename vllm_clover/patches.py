@@ -630,7 +630,9 @@ CATALOGUE: list[Patch] = [
             "platform kernels (forward_cpu / forward_cuda, as an enabled custom op) instead of "
             "the torch.compile-wrapped forward_native vLLM gives disabled ops when the target "
             "is compiled: the drafter runs eagerly, and each compiled-region call cost 115-215 us "
-            "(trunk 2.98 -> 2.47 ms per step without them, 2-core Xeon, bf16). Set per drafter at "
+            "(trunk 2.98 -> 2.47 ms per step without them, 2-core Xeon, bf16). On CPU the RMSNorms "
+            "call torch.ops._C.rms_norm / fused_add_rms_norm (RMSNorm has no forward_cpu; its "
+            "IR-op native path is 7 PyTorch ops, 21-34 us vs 4-8 us a call). Set per drafter at "
             "construction (vllm_model.run_custom_ops_natively), never on the target's layers."
         ),
         remove_when="vLLM compiles draft models with the target, or lets a module opt into its custom ops",
