@@ -21,11 +21,17 @@ How it measures (conditions are written into the JSON):
   = generated tokens / wall time over all waves (prefill included; one warm-up wave first).
 - Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch
   size. Mean acceptance length = tokens per decode step of a request, bonus included, over
-  *every* decode step: (T - R) / (T - R - accepted) for T generated tokens of R requests
-  (each request-step yields accepted + 1 tokens; the first token comes from prefill). vLLM's
-  own ratio, 1 + accepted / drafts, counts only steps that drafted, which flatters ngram
-  (no draft where nothing matches); it is kept as ``acceptance_length_when_drafting``.
-  Per-position rate = accepted at position i / drafts.
+  *every* decode step: (T - R) / decode request-steps for T generated tokens of R requests
+  (the first token comes from prefill). At batch 1 the steps are counted: engine iterations
+  (``vllm:iteration_tokens_total``) minus one prefill per request. At larger batches they are
+  inferred as the larger of vLLM's draft count (request-steps that drafted) and
+  T - R - accepted (each request-step yields accepted + 1 tokens): the latter alone comes out
+  short, because vLLM counts as accepted the drafts of a request's last step that run past
+  ``max_tokens`` or a stop and are dropped (up to a whole lookup span; it overstated tokens
+  per step by up to 9% before 2026-12-04, "g"). vLLM's own ratio, 1 + accepted / drafts,
+  counts only steps that drafted, which flatters ngram (no draft where nothing matches); it
+  is kept as ``acceptance_length_when_drafting``. Per-position rate = accepted at position
+  i / drafts.
 - Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the
   worker, ``CloverWorkerExtension.clover_timing``) divided by the rest of the wall time of
   the same steps (target forward, sampling, scheduling): ``draft_cost_vs_target_step``.
@@ -154,10 +160,12 @@ def _spec_counters(llm) -> dict[str, object]:
     wanted = {"vllm:spec_decode_num_drafts": "drafts",
               "vllm:spec_decode_num_accepted_tokens": "accepted",
               "vllm:spec_decode_num_accepted_tokens_per_pos": "per_pos"}
-    out: dict[str, object] = {"drafts": 0, "accepted": 0, "per_pos": []}
+    out: dict[str, object] = {"drafts": 0, "accepted": 0, "per_pos": [], "iterations": 0}
     for m in llm.get_metrics():
         if m.name in wanted:
             out[wanted[m.name]] = list(m.values) if hasattr(m, "values") else m.value
+        elif m.name == "vllm:iteration_tokens_total":  # one observation per engine iteration
+            out["iterations"] = m.count
     return out
 
 
@@ -195,23 +203,34 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
         after = _spec_counters(llm)
         drafts = after["drafts"] - before["drafts"]
         accepted = after["accepted"] - before["accepted"]
+        # Batch 1 runs one request at a time: each engine iteration is one of its steps.
+        decode_steps = after["iterations"] - before["iterations"] - requests if b == 1 else None
+        if decode_steps is not None and decode_steps < 0:
+            raise RuntimeError("vLLM's vllm:iteration_tokens_total counted fewer engine iterations than "
+                               "requests: cannot count decode steps (did its metrics change?)")
         per_pos = [a - b_ for a, b_ in zip(after["per_pos"], before["per_pos"] or [0] * len(after["per_pos"]))]
         draft_s = llm.collective_rpc("clover_timing")[0]["draft_s"] if clover else None
         rows.append({"method": spec.label, "batch_size": b, "tokens_per_s": tokens / elapsed,
                      "num_speculative_tokens": k,
                      "tokens": tokens, "seconds": elapsed, "draft_seconds": draft_s,
                      "draft_cost_vs_target_step": draft_s / (elapsed - draft_s) if clover else None,
-                     "mean_acceptance_length": tokens_per_decode_step(tokens, requests, accepted),
+                     "decode_steps": decode_steps,
+                     "mean_acceptance_length": tokens_per_decode_step(tokens, requests, accepted, drafts,
+                                                                      decode_steps),
                      "acceptance_length_when_drafting": 1 + accepted / drafts if drafts else 1.0,
                      "acceptance_per_position": [p / drafts for p in per_pos] if drafts else []})
     return rows
 
 
-def tokens_per_decode_step(tokens: int, requests: int, accepted: int) -> float:
+def tokens_per_decode_step(tokens: int, requests: int, accepted: int, drafts: int = 0,
+                           decode_steps: int | None = None) -> float:
     """Generated tokens per decode step of a request, bonus included, every step counted
-    (steps that drafted nothing too): each request-step yields accepted + 1 tokens and the
-    first token of each request comes from its prefill."""
-    steps = tokens - requests - accepted
+    (steps that drafted nothing too); the first token of each request comes from its prefill.
+    ``decode_steps``: the request-steps after prefill when counted (batch 1); else inferred as
+    max(drafts, tokens - requests - accepted): each request-step yields accepted + 1 tokens,
+    except that drafts of a last step past ``max_tokens`` or a stop are counted as accepted by
+    vLLM but dropped, and every drafting request-step is a step."""
+    steps = decode_steps if decode_steps is not None else max(drafts, tokens - requests - accepted)
     return (tokens - requests) / steps if steps > 0 else 1.0
 
 

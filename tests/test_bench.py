@@ -66,8 +66,13 @@ def test_aggregate_means_and_speedup() -> None:
 
 def test_tokens_per_decode_step_counts_every_step() -> None:
     """2 requests, 22 tokens, 8 accepted drafts: 20 decode tokens in 12 request-steps
-    (whatever the drafter did in the steps without drafts); no decode step -> 1."""
+    (whatever the drafter did in the steps without drafts); no decode step -> 1. Counted
+    steps win; else drafts bound the steps from below: 15 drafting request-steps cannot
+    have made 20 tokens in 12 steps (3 accepted drafts were dropped past max_tokens)."""
     assert bench.tokens_per_decode_step(22, 2, 8) == pytest.approx(20 / 12)
+    assert bench.tokens_per_decode_step(22, 2, 8, drafts=5) == pytest.approx(20 / 12)
+    assert bench.tokens_per_decode_step(22, 2, 8, drafts=15) == pytest.approx(20 / 15)
+    assert bench.tokens_per_decode_step(22, 2, 8, drafts=5, decode_steps=16) == pytest.approx(20 / 16)
     assert bench.tokens_per_decode_step(20, 2, 0) == 1.0
     assert bench.tokens_per_decode_step(2, 2, 0) == 1.0
 
