@@ -27,8 +27,9 @@ How it measures (conditions are written into the JSON):
   inferred as the larger of vLLM's draft count (request-steps that drafted) and
   T - R - accepted (each request-step yields accepted + 1 tokens): the latter alone comes out
   short, because vLLM counts as accepted the drafts of a request's last step that run past
-  ``max_tokens`` or a stop and are dropped (up to a whole lookup span; it overstated tokens
-  per step by up to 9% before 2026-12-04, "g"). vLLM's own ratio, 1 + accepted / drafts,
+  ``max_tokens`` or a stop and are dropped (up to a whole lookup span; used alone, before the
+  session of 2026-12-04 (sixth), it overstated tokens per step by 1-3% with 5-9 lookup
+  tokens and 13% with 16). vLLM's own ratio, 1 + accepted / drafts,
   counts only steps that drafted, which flatters ngram (no draft where nothing matches); it
   is kept as ``acceptance_length_when_drafting``. Per-position rate = accepted at position
   i / drafts.

@@ -385,6 +385,11 @@ def _check_custom_op_dispatch() -> None:
     assert "self.maybe_compile(self.forward_native" in dispatch
     order = ["is_rocm()", "is_cpu()", "is_tpu()", "is_xpu()", "is_out_of_tree()", "return self.forward_cuda"]
     assert [dispatch.index(k) for k in order] == sorted(dispatch.index(k) for k in order)
+    # On CPU the drafter's RMSNorms call torch.ops._C directly, as RMSNorm.forward_cuda does
+    # (vllm_model._cpu_rms_norm_forward): only while RMSNorm has no CPU kernel path of its own.
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    assert "forward_cpu" not in RMSNorm.__dict__, "RMSNorm now has forward_cpu: use it for the drafter"
 
 
 def _file_function_source(module: str, function: str) -> str:
