@@ -29,10 +29,9 @@ How it measures (conditions are written into the JSON):
   short, because vLLM counts as accepted the drafts of a request's last step that run past
   ``max_tokens`` or a stop and are dropped (up to a whole lookup span; used alone, before the
   session of 2026-12-04 (sixth), it overstated tokens per step by 1-3% with 5-9 lookup
-  tokens and 13% with 16). vLLM's own ratio, 1 + accepted / drafts,
-  counts only steps that drafted, which flatters ngram (no draft where nothing matches); it
-  is kept as ``acceptance_length_when_drafting``. Per-position rate = accepted at position
-  i / drafts.
+  tokens and 13% with 16). vLLM's own ratio, 1 + accepted / drafts, counts only steps that
+  drafted, which flatters ngram (no draft where nothing matches); it is kept as
+  ``acceptance_length_when_drafting``. Per-position rate = accepted at position i / drafts.
 - Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the
   worker, ``CloverWorkerExtension.clover_timing``) divided by the rest of the wall time of
   the same steps (target forward, sampling, scheduling): ``draft_cost_vs_target_step``.

@@ -63,9 +63,10 @@ SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_voc
 SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
 # bfloat16 on CPUs with AMX tiles (`--dtype bfloat16`), where the target's linears cost the
 # same for 1 to 16 rows (docs/cpu-defaults.md) and tree rows attend with AMX tiles: up to 16
-# lookup tokens, 21 verify tokens. With the AMX tree kernel (README "Latest"): 2.00x-2.09x vanilla bf16 in three
-# runs, 2.87 tokens/step, against 2.02x-2.06x for 12 / 17, 20 / 25, 24 / 29 and 1.90x for 9 / 14
-# (the earlier default); 5 / 10 stays the float32 default (9 / 14 was equal there).
+# lookup tokens, 21 verify tokens. With the AMX tree kernel (README "Latest"): 2.00x-2.09x
+# vanilla bf16 in three runs, 2.87 tokens/step, against 2.02x-2.06x for 12 / 17, 20 / 25,
+# 24 / 29 and 1.90x for 9 / 14 (the earlier default); 5 / 10 stays the float32 default
+# (9 / 14 was equal there).
 SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "prompt_lookup_tokens": 16, "tree_token_budget": 21}
 # GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
 SHIPPED_SERVE_OPTIONS_GPU = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
