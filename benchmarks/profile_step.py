@@ -8,7 +8,8 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that t
 the runner's methods: target forward (``GPUModelRunner.execute_model``), sampling + drafting
 (``sample_tokens``), the Clover proposer, CPU attention (native kernel + tree rows), the tree
 rows alone, the tree sampler and the tree plan; inside the proposer the trunk (with and
-without building its attention metadata), the heads' tree, prompt lookup and grafting.
+without building its attention metadata), the heads' tree, retrieval (prompt lookup, datastore)
+and grafting.
 The target runs eager, as ``vllm-clover bench`` runs it (``--no-enforce-eager``: compiled).
 In process, the model's OpenMP threads get every core, as the multiprocess engine's worker
 does on machines with at most 2 CPUs (``cpu_env.with_worker_cores``); on larger ones vLLM
@@ -63,13 +64,13 @@ def install_timers(totals: dict[str, float], calls: collections.Counter) -> None
                              (GPUModelRunner, "sample_tokens", "sample + draft"),
                              (CloverProposer, "propose_clover", "clover proposer"),
                              # Inside the proposer: the trunk with its attention metadata,
-                             # the trunk's layers alone, the heads' tree, prompt lookup.
+                             # the trunk's layers alone, the heads' tree, retrieval.
                              (CloverProposer, "_run_trunk", "  trunk + metadata"),
                              (CloverForSpeculativeDecoding, "trunk", "  trunk layers"),
                              (CloverProposer, "_draft_tree", "  tree drafting"),
                              (proposer, "expand_static_tree", "    heads (tree)"),
-                             (proposer, "lookup_continuation", "    prompt lookup"),
-                             (proposer, "graft_chain", "    graft"),
+                             (proposer, "graft_retrieval", "    retrieval + graft"),
+                             (proposer, "retrieval_chain", "      retrieval"),
                              (CPUAttentionBackendImpl, "forward", "attention"),
                              (tree_verify, "tree_attention_rows", "tree rows"),
                              (tree_verify.CloverRejectionSampler, "forward", "tree sampler"),

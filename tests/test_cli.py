@@ -67,8 +67,9 @@ def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_wi
     argv = cli.serve_argv(None, "h", 1, dtype_args)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "clover", "model": str(default_with_heads), **options}
-    if options is cli.SHIPPED_SERVE_OPTIONS_AMX_BF16:  # 1 root + 4 tree nodes + 16 lookup tokens
-        assert (spec["prompt_lookup_tokens"], spec["tree_token_budget"]) == (16, 21)
+    if options is cli.SHIPPED_SERVE_OPTIONS_AMX_BF16:  # 1 root + 9 nodes + 16 lookup + 2 x 5 leaves
+        assert (spec["tree"], spec["prompt_lookup_tokens"], spec["leaf_lookup_tokens"], spec["tree_token_budget"]) \
+            == ("wide_9", 16, 2, 36)
 
 
 def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> None:

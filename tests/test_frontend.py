@@ -440,6 +440,15 @@ def test_prompt_lookup_tokens_add_to_the_node_count(default_model_dir, clover_ck
     assert config.additional_config["clover"]["prompt_lookup_min"] == 2  # vLLM ngram's bench default
     _, config = _engine_config(default_model_dir, {**base, "tree": "small_4"})
     assert config.additional_config["clover"]["prompt_lookup_tokens"] == 0
+    assert config.additional_config["clover"]["leaf_lookup_tokens"] == 0
+    # Leaf lookups: up to that many nodes under each leaf (small_4 has 2 leaves, wide_9 5).
+    _, config = _engine_config(default_model_dir, {**base, "tree": "small_4", "prompt_lookup_tokens": 3,
+                                                   "leaf_lookup_tokens": 2})
+    assert config.speculative_config.num_speculative_tokens == 4 + 3 + 2 * 2
+    assert config.additional_config["clover"]["leaf_lookup_tokens"] == 2
+    _, config = _engine_config(default_model_dir, {**base, "tree": "wide_9", "prompt_lookup_tokens": 16,
+                                                   "leaf_lookup_tokens": 2})
+    assert config.speculative_config.num_speculative_tokens == 9 + 16 + 5 * 2
 
 
 def test_prompt_lookup_over_budget_warns(default_model_dir, clover_ckpt_dir, caplog) -> None:
@@ -458,6 +467,12 @@ def test_prompt_lookup_over_budget_warns(default_model_dir, clover_ckpt_dir, cap
     ({"tree": "small_4", "prompt_lookup_tokens": 2, "num_speculative_tokens": 4}, ("node count + prompt_lookup_tokens (6)",)),
     ({"tree": "dynamic", "prompt_lookup_tokens": 2, "num_speculative_tokens": 4},
      ("dynamic_tree_nodes + prompt_lookup_tokens (27)",)),
+    ({"tree": "small_4", "leaf_lookup_tokens": 2}, ("leaf_lookup_tokens", "set prompt_lookup_tokens too")),
+    ({"tree": "small_4", "prompt_lookup_tokens": 2, "leaf_lookup_tokens": -1},
+     ("leaf_lookup_tokens must be an integer >= 0",)),
+    ({"tree": "dynamic", "prompt_lookup_tokens": 2, "leaf_lookup_tokens": 1}, ("leaf_lookup_tokens needs a static tree",)),
+    ({"tree": "small_4", "prompt_lookup_tokens": 2, "leaf_lookup_tokens": 1, "num_speculative_tokens": 6},
+     ("node count + prompt_lookup_tokens + leaf_lookup_tokens x leaves (8)",)),
 ])
 def test_bad_prompt_lookup_options_are_one_line_errors(default_model_dir, clover_ckpt_dir, extra, needles) -> None:
     with pytest.raises(CloverSpecError) as excinfo:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_clover.lookup import lookup_continuation
+from vllm_clover.lookup import graft_retrieval, leaf_paths, lookup_continuation, retrieval_chain
 
 
 # Random cases over small alphabets (many repeats, overlapping matches, several n-gram
@@ -54,3 +54,50 @@ def test_equals_vllm_ngram_proposer_function() -> None:
 def test_cases(tokens, min_n, max_n, k, expected) -> None:
     out = lookup_continuation(np.array(tokens, dtype=np.int64), min_n, max_n, k)
     assert out.tolist() == expected
+
+
+def test_leaf_paths_in_node_order() -> None:
+    # root -> 10, 2; 2 -> 3, 11; 3 -> 4: leaves 10, 11, 4
+    assert leaf_paths([10, 2, 3, 11, 4], [-1, 0, 0, 2, 2, 3]) == [[10], [2, 11], [2, 3, 4]]
+    assert leaf_paths([], [-1]) == []
+
+
+def test_retrieval_chain_is_lookup_else_datastore(tmp_path) -> None:
+    from vllm_clover.datastore import build_datastore
+
+    store = build_datastore([[5, 6, 7]] * 5, vocab_size=16, max_order=2, min_count=5)
+    assert retrieval_chain(np.array([5, 9, 3, 5, 9]), 3, 2, 4, store).tolist() == [3, 5, 9]  # the lookup
+    assert retrieval_chain(np.array([1, 2, 5]), 3, 2, 4, store).tolist() == [6, 7]  # the datastore
+    assert retrieval_chain(np.array([1, 2, 5]), 3, 2, 4, None).size == 0
+
+
+def test_graft_retrieval_adds_at_most_its_budget_and_keeps_the_tree() -> None:
+    """Random trees (siblings distinct, as top-k children are) and chains: the heads' paths
+    stay, and at most root + leaf x leaves nodes are added."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(0, 8))
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n + 1)]
+        tokens: list[int] = []
+        for i in range(1, n + 1):
+            taken = {tokens[j - 1] for j in range(1, i) if parent[j] == parent[i]}
+            tokens.append(int(rng.choice([t for t in range(8) if t not in taken])))
+        committed = rng.integers(0, 6, 12)
+        root_k, leaf_k = int(rng.integers(0, 5)), int(rng.integers(0, 3))
+
+        def retrieve(context: np.ndarray, k: int) -> np.ndarray:
+            return np.random.default_rng(int(context.sum()) + len(context)).integers(0, 6, int(rng.integers(0, k + 1)))
+
+        out_tokens, out_parent = graft_retrieval(tokens, parent, committed, retrieve, root_k, leaf_k)
+        before = leaf_paths(tokens, parent)
+        assert len(out_tokens) - len(tokens) <= root_k + leaf_k * len(before)
+        paths = {tuple(p) for p in _all_paths(out_tokens, out_parent)}
+        assert {tuple(p) for p in _all_paths(tokens, parent)} <= paths
+        assert all(p < i for i, p in enumerate(out_parent) if i)  # parents first (BFS)
+
+
+def _all_paths(tokens, parent) -> list[list[int]]:
+    paths: list[list[int]] = [[]]
+    for n in range(1, len(parent)):
+        paths.append(paths[parent[n]] + [int(tokens[n - 1])])
+    return paths[1:]

@@ -62,12 +62,14 @@ SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_voc
 # Measured ahead of chain2 in every repeat compiled (README "A larger tree when rows are free").
 SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
 # bfloat16 on CPUs with AMX tiles (`--dtype bfloat16`), where the target's linears cost the
-# same for 1 to 16 rows (docs/cpu-defaults.md) and tree rows attend with AMX tiles: up to 16
-# lookup tokens, 21 verify tokens. With the AMX tree kernel (README "Latest"): 2.00x-2.09x
-# vanilla bf16 in three runs, 2.87 tokens/step, against 2.02x-2.06x for 12 / 17, 20 / 25,
-# 24 / 29 and 1.90x for 9 / 14 (the earlier default); 5 / 10 stays the float32 default
-# (9 / 14 was equal there).
-SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "prompt_lookup_tokens": 16, "tree_token_budget": 21}
+# same for 1 to 16 rows and +2-3 ms from 17 to 32 (docs/cpu-defaults.md) and tree rows attend
+# with AMX tiles: the heads' top-4 first tokens with their children (`wide_9`), up to 16 lookup
+# tokens from the root and 2 under each of its 5 leaves, 36 verify tokens at most (20 on
+# average). 2.02x vanilla bf16 and 3.14 tokens per step on 20 MT-Bench prompts, against 1.98x
+# / 2.98 without the leaf lookups and 1.99x / 2.75 for the earlier small_4 + 16 (README
+# "Latest"); 5 / 10 with small_4 stays the float32 default, where every row costs.
+SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "wide_9", "prompt_lookup_tokens": 16,
+                                  "leaf_lookup_tokens": 2, "tree_token_budget": 36}
 # GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
 SHIPPED_SERVE_OPTIONS_GPU = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
 SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",

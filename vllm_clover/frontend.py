@@ -39,6 +39,9 @@ METHOD = "clover"
 # batched tree verification (tree_option(), tree_verify.py).
 # prompt_lookup_tokens (int, 0 = off), prompt_lookup_min / prompt_lookup_max (n-gram sizes):
 # up to that many tokens of vLLM's ngram continuation grafted into every tree (lookup.py).
+# leaf_lookup_tokens (int, 0 = off; static trees, with prompt_lookup_tokens): up to that many
+# retrieval tokens grafted under each leaf of the heads' tree, looked up after the leaf's path
+# (lookup.graft_retrieval).
 # datastore (path, "" = off; relative to the checkpoint directory): where the prompt lookup
 # finds nothing, an n-gram datastore's chain fills those slots (datastore.py), token by token
 # while the table's confidence in the next one is at least datastore_min_confidence (0..1).
@@ -49,7 +52,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {"draft_sampling": ("sample", "greedy"),
 # (tree_token_budget has no entry: its default depends on the device, default_tree_token_budget().)
 DEFAULT_OPTIONS: dict[str, Any] = {"draft_sampling": "sample", "draft_dtype": "auto", "draft_vocab_size": 0, "tree": None,
                                    "dynamic_tree_nodes": 25, "prompt_lookup_tokens": 0,
-                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "datastore": "",
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4, "leaf_lookup_tokens": 0, "datastore": "",
                                    "datastore_min_confidence": 0.2}
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU (default model, 2 cores): at batch 1 up to ~7 verify tokens cost what 3 cost (the
@@ -169,8 +172,11 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
                                             lookup["prompt_lookup_tokens"])
     options["datastore_min_confidence"] = fraction(
         spec.pop("datastore_min_confidence", DEFAULT_OPTIONS["datastore_min_confidence"]), "datastore_min_confidence")
-    extra = lookup["prompt_lookup_tokens"]  # grafted nodes on top of the tree's own
-    plus = " + prompt_lookup_tokens" if extra else ""
+    # grafted nodes on top of the tree's own
+    extra = lookup["prompt_lookup_tokens"] + lookup["leaf_lookup_tokens"] * (
+        0 if tree is None or tree == DYNAMIC else tree.retrieve_paths.shape[0])
+    plus = (" + prompt_lookup_tokens" if lookup["prompt_lookup_tokens"] else "") + (
+        " + leaf_lookup_tokens x leaves" if lookup["leaf_lookup_tokens"] else "")
     if tree == DYNAMIC:
         # Clover-1's dynamic tree: up to `nodes` nodes per request, one head per depth.
         if k is not None and k != nodes + extra:
@@ -255,7 +261,8 @@ def tree_option(value: Any, num_heads: int) -> Any:
 
 
 def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
-    """Pop and check ``prompt_lookup_tokens`` / ``_min`` / ``_max`` from ``spec``.
+    """Pop and check ``prompt_lookup_tokens`` / ``_min`` / ``_max`` and ``leaf_lookup_tokens``
+    from ``spec``.
 
     Lookup candidates are grafted into the tree (lookup.py), so they need tree
     verification: without a tree the option is an error naming the fix."""
@@ -271,6 +278,16 @@ def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
     if out["prompt_lookup_tokens"] and tree is None:
         raise CloverSpecError("prompt_lookup_tokens grafts lookup candidates into a token tree and needs "
                               "the tree option (e.g. \"tree\": \"small_4\", or \"chain2\" for Clover's chain)")
+    leaf = spec.pop("leaf_lookup_tokens", DEFAULT_OPTIONS["leaf_lookup_tokens"])
+    if isinstance(leaf, bool) or not isinstance(leaf, int) or leaf < 0:
+        raise CloverSpecError(f"leaf_lookup_tokens must be an integer >= 0, got {leaf!r}")
+    if leaf and not out["prompt_lookup_tokens"]:
+        raise CloverSpecError("leaf_lookup_tokens extends the prompt lookup under the tree's leaves: "
+                              "set prompt_lookup_tokens too (e.g. 16)")
+    if leaf and tree == DYNAMIC:
+        raise CloverSpecError("leaf_lookup_tokens needs a static tree (a preset or a list of paths), "
+                              "not 'dynamic'")
+    out["leaf_lookup_tokens"] = leaf
     return out
 
 

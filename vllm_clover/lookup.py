@@ -10,13 +10,17 @@ a user gets "ngram and Clover at once" for the cost of a few more verified token
 nearly free while the target streams its weights (batch 1 on CPU; small batches on GPU).
 The same idea as ArcticInference's suffix decoding next to its speculator.
 
-Pure numpy, no vLLM import.
+Pure numpy (and tree.graft_chain), no vLLM import.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from vllm_clover.tree import graft_chain
 
 
 def lookup_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -39,3 +43,51 @@ def lookup_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> n
             start = int(hits[0]) + n
             return tokens[start:start + k]
     return tokens[:0]
+
+
+def retrieval_chain(tokens: np.ndarray, k: int, min_n: int, max_n: int, datastore=None,
+                    min_confidence: float = 0.0) -> np.ndarray:
+    """The proposer's retrieval draft after ``tokens`` [L]: up to ``k`` tokens of the prompt
+    lookup (:func:`lookup_continuation`), else of ``datastore`` (a ``datastore.NgramDatastore``
+    or None) while its confidence is at least ``min_confidence``."""
+    chain = lookup_continuation(tokens, min_n, max_n, k)
+    if not chain.size and datastore is not None:
+        chain = datastore.continuation(tokens, k, min_confidence)
+    return chain
+
+
+def leaf_paths(tokens: Sequence[int], parent: Sequence[int]) -> list[list[int]]:
+    """The token path from the root to each leaf of a tree, leaves in node order.
+
+    tokens [N]: nodes 1..N; parent [N+1]: BFS parent pointers (root -1, parents first)."""
+    paths: list[list[int]] = [[]]
+    for n in range(1, len(parent)):
+        paths.append(paths[parent[n]] + [int(tokens[n - 1])])
+    inner = set(int(p) for p in parent[1:])
+    return [paths[n] for n in range(1, len(parent)) if n not in inner]
+
+
+def graft_retrieval(tokens: Sequence[int], parent: Sequence[int], committed: np.ndarray,
+                    retrieve: Callable[[np.ndarray, int], np.ndarray], root_tokens: int,
+                    leaf_tokens: int = 0) -> tuple[list[int], tuple[int, ...]]:
+    """A request's heads tree with retrieval chains grafted in (``tree.graft_chain``).
+
+    tokens [N], parent [N+1]: the heads' tree, siblings distinct (top-k children are: a leaf's
+    path then names one node); committed [L]: the request's tokens, the root last; ``retrieve(context, k)``: up to k draft tokens after ``context`` (e.g.
+    :func:`retrieval_chain`). Grafts the chain after ``committed`` (up to ``root_tokens``)
+    from the root, then under each leaf of the heads' tree the chain after ``committed`` +
+    the leaf's path (up to ``leaf_tokens`` each).
+
+    Why the leaves: where the heads guess the next tokens right, the retrieval that follows
+    them often guesses further; the heads' tree is two tokens deep and the lookup from the
+    root alone cannot continue a path it did not start (docs/tree-verification.md, "Leaf
+    lookup"). At most ``root_tokens + leaf_tokens * leaves`` nodes are added."""
+    leaves = leaf_paths(tokens, parent) if leaf_tokens > 0 else []
+    out_tokens, out_parent = list(tokens), tuple(parent)
+    if root_tokens > 0:
+        out_tokens, out_parent = graft_chain(out_tokens, out_parent, retrieve(committed, root_tokens).tolist())
+    for path in leaves:
+        chain = retrieve(np.concatenate([committed, np.asarray(path, dtype=committed.dtype)]), leaf_tokens)
+        if chain.size:
+            out_tokens, out_parent = graft_chain(out_tokens, out_parent, path + chain.tolist())
+    return out_tokens, out_parent

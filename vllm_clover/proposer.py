@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.forward_context import set_forward_context
@@ -36,8 +37,8 @@ from vllm_clover.cpu_linear import (PackedLinear, draft_matmul_dtype, onednn_ava
 from vllm_clover.datastore import NgramDatastore, load_datastore
 from vllm_clover.draft_vocab import load_draft_vocab
 from vllm_clover.frontend import DYNAMIC, clover_options
-from vllm_clover.lookup import lookup_continuation
-from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree, graft_chain
+from vllm_clover.lookup import graft_retrieval, retrieval_chain
+from vllm_clover.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
 from vllm_clover.tree_verify import (GREEDY_TEMPERATURE, TreeStep, chain_only_reason, select_tree, spine,
                                      trunk_view)
 from vllm_clover.vllm_model import CloverForSpeculativeDecoding
@@ -287,9 +288,13 @@ class CloverProposer(MedusaProposer):
         else:
             tree = select_tree(self.tree, b, token_budget, max(1, k - lookup))
             budget, is_chain = tree.num_nodes, tree.num_nodes == tree.max_depth
-        # Prompt lookup fills the verify tokens the tree leaves (lookup.py, tree first);
-        # without it a chain is verified by vLLM's own code.
-        lookup = max(0, min(lookup, k - budget, token_budget // b - 1 - budget))
+        # Prompt lookup fills the verify tokens the tree leaves (lookup.py, tree first), then
+        # the leaf lookups if all of them fit; without any a chain is verified by vLLM's code.
+        room = min(k, token_budget // b - 1) - budget
+        lookup = max(0, min(lookup, room))
+        leaf = self.options["leaf_lookup_tokens"] if self.tree != DYNAMIC else 0
+        if leaf and (not lookup or leaf * tree.retrieve_paths.shape[0] > room - lookup):
+            leaf = 0
         if is_chain and not lookup:
             return None
         if self.tree == DYNAMIC:
@@ -318,12 +323,7 @@ class CloverProposer(MedusaProposer):
                     # The committed tokens, the root (just sampled) last; a numpy view.
                     committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
                 if lookup:
-                    chain = lookup_continuation(committed, self.options["prompt_lookup_min"],
-                                                self.options["prompt_lookup_max"], lookup)
-                    if not chain.size and self.datastore is not None:
-                        chain = self.datastore.continuation(committed, lookup,
-                                                            self.options["datastore_min_confidence"])
-                    tokens, parent = graft_chain(tokens, parent, chain.tolist())
+                    tokens, parent = graft_retrieval(tokens, parent, committed, self._retrieve, lookup, leaf)
                 table[req_id] = (tokens, parent)
                 if self.records is not None:
                     self.tree_records.append((req_id, committed.tolist(), tokens, parent))
@@ -337,6 +337,12 @@ class CloverProposer(MedusaProposer):
             depth = min(len(t) for t in spines)
             self._record(runner.input_batch, last_positions, torch.tensor([t[:depth] for t in spines]))
         return out
+
+    def _retrieve(self, committed: np.ndarray, k: int) -> np.ndarray:
+        """Up to ``k`` retrieval tokens after ``committed``: prompt lookup, else the datastore."""
+        o = self.options
+        return retrieval_chain(committed, k, o["prompt_lookup_min"], o["prompt_lookup_max"], self.datastore,
+                               o["datastore_min_confidence"])
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
         """Log (req_id, committed tokens, drafts) for every request whose whole committed
