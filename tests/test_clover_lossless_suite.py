@@ -1,5 +1,5 @@
 """Greedy losslessness at scale, with the heads `vllm-clover serve` uses, in chain mode and
-with the small_10 tree and prompt lookup (issues "Clover as a speculative-decoding method inside vLLM" and
+with the small_10 tree, prompt lookup and leaf lookups (issues "Clover as a speculative-decoding method inside vLLM" and
 "Batched tree verification inside vLLM", correctness): 37 mixed prompts (MT-Bench first
 turns through the chat template, multi-turn chats, raw text and code, a prompt longer than
 the batch token budget) at batch 1 and all at once, then again under a KV cache so small
@@ -44,8 +44,8 @@ def _prompts(tokenizer) -> list:
 
 
 def _spec_config(ckpt: Path, tree: bool = False) -> dict:
-    """The serve defaults; with ``tree``, the small_10 tree with 3 prompt-lookup nodes
-    instead of K and the batch-size cut-off, and a token budget that keeps the tree for the
+    """The serve defaults; with ``tree``, the small_10 tree with 3 prompt-lookup nodes and 2
+    leaf-lookup nodes under each leaf instead of K and the batch-size cut-off, and a token budget that keeps the tree for the
     whole batch (the scheduler's 256-token budget then truncates drafts to BFS prefixes)."""
     from vllm_clover.cli import shipped_serve_options
     from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
@@ -63,7 +63,7 @@ def _spec_config(ckpt: Path, tree: bool = False) -> dict:
             options.pop(key, None)
         # small_10 is 5 deep; a 4-head fallback drafter gets a tree of its depth.
         tree_spec = "small_10" if heads >= 5 else [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-        options.update(tree=tree_spec, tree_token_budget=512, prompt_lookup_tokens=3)
+        options.update(tree=tree_spec, tree_token_budget=512, prompt_lookup_tokens=3, leaf_lookup_tokens=2)
     return {"method": "clover", "model": str(ckpt), **options}
 
 
