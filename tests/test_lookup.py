@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_clover.lookup import graft_retrieval, leaf_paths, lookup_continuation, retrieval_chain
+from vllm_clover.lookup import graft_retrieval, leaf_token_paths, lookup_continuation, retrieval_chain
 
 
 # Random cases over small alphabets (many repeats, overlapping matches, several n-gram
@@ -56,10 +56,10 @@ def test_cases(tokens, min_n, max_n, k, expected) -> None:
     assert out.tolist() == expected
 
 
-def test_leaf_paths_in_node_order() -> None:
+def test_leaf_token_paths_in_node_order() -> None:
     # root -> 10, 2; 2 -> 3, 11; 3 -> 4: leaves 10, 11, 4
-    assert leaf_paths([10, 2, 3, 11, 4], [-1, 0, 0, 2, 2, 3]) == [[10], [2, 11], [2, 3, 4]]
-    assert leaf_paths([], [-1]) == []
+    assert leaf_token_paths([10, 2, 3, 11, 4], [-1, 0, 0, 2, 2, 3]) == [[10], [2, 11], [2, 3, 4]]
+    assert leaf_token_paths([], [-1]) == []
 
 
 def test_retrieval_chain_is_lookup_else_datastore(tmp_path) -> None:
@@ -89,7 +89,7 @@ def test_graft_retrieval_adds_at_most_its_budget_and_keeps_the_tree() -> None:
             return np.random.default_rng(int(context.sum()) + len(context)).integers(0, 6, int(rng.integers(0, k + 1)))
 
         out_tokens, out_parent = graft_retrieval(tokens, parent, committed, retrieve, root_k, leaf_k)
-        before = leaf_paths(tokens, parent)
+        before = leaf_token_paths(tokens, parent)
         assert len(out_tokens) - len(tokens) <= root_k + leaf_k * len(before)
         paths = {tuple(p) for p in _all_paths(out_tokens, out_parent)}
         assert {tuple(p) for p in _all_paths(tokens, parent)} <= paths

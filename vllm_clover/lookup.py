@@ -56,10 +56,12 @@ def retrieval_chain(tokens: np.ndarray, k: int, min_n: int, max_n: int, datastor
     return chain
 
 
-def leaf_paths(tokens: Sequence[int], parent: Sequence[int]) -> list[list[int]]:
+def leaf_token_paths(tokens: Sequence[int], parent: Sequence[int]) -> list[list[int]]:
     """The token path from the root to each leaf of a tree, leaves in node order.
 
-    tokens [N]: nodes 1..N; parent [N+1]: BFS parent pointers (root -1, parents first)."""
+    tokens [N]: nodes 1..N; parent [N+1]: BFS parent pointers (root -1, parents first).
+    ``tree.leaf_paths`` is its node-index twin (verification's retrieve indices, a padded
+    tensor); this one works on the per-request Python lists of the drafting hot path."""
     paths: list[list[int]] = [[]]
     for n in range(1, len(parent)):
         paths.append(paths[parent[n]] + [int(tokens[n - 1])])
@@ -82,7 +84,7 @@ def graft_retrieval(tokens: Sequence[int], parent: Sequence[int], committed: np.
     them often guesses further; the heads' tree is two tokens deep and the lookup from the
     root alone cannot continue a path it did not start (docs/tree-verification.md, "Leaf
     lookup"). At most ``root_tokens + leaf_tokens * leaves`` nodes are added."""
-    leaves = leaf_paths(tokens, parent) if leaf_tokens > 0 else []
+    leaves = leaf_token_paths(tokens, parent) if leaf_tokens > 0 else []
     out_tokens, out_parent = list(tokens), tuple(parent)
     if root_tokens > 0:
         out_tokens, out_parent = graft_chain(out_tokens, out_parent, retrieve(committed, root_tokens).tolist())
