@@ -60,7 +60,17 @@ def install_timers(totals: dict[str, float], calls: collections.Counter) -> None
     from vllm_clover.proposer import CloverProposer
     from vllm_clover.vllm_model import CloverForSpeculativeDecoding
 
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
     for owner, attr, key in ((GPUModelRunner, "execute_model", "target forward"),
+                             # Inside the target forward: batch bookkeeping, input and
+                             # attention-metadata building (tree plan included), the model's
+                             # layers, the LM head over the sampled rows.
+                             (GPUModelRunner, "_update_states", "  update states"),
+                             (GPUModelRunner, "_prepare_inputs", "  prepare inputs"),
+                             (GPUModelRunner, "_build_attention_metadata", "  attn metadata"),
+                             (GPUModelRunner, "_model_forward", "  layers"),
+                             (LlamaForCausalLM, "compute_logits", "  LM head"),
                              (GPUModelRunner, "sample_tokens", "sample + draft"),
                              (CloverProposer, "propose_clover", "clover proposer"),
                              # Inside the proposer: the trunk with its attention metadata,

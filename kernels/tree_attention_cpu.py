@@ -126,6 +126,17 @@ def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output
     load().tree_attention_cpu(query, kv_cache, output, meta, block_table, anc, float(scale), layout, amx_tiles)
 
 
+def rows_argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.max(-1).indices`` for CPU logits [R, V] (float32, bfloat16 or float16, rows
+    contiguous): the first index of each row's maximum, a NaN counting as the maximum;
+    int64 [R]. Why: torch's row reduction takes 0.25 ms for 20 x 49,152 float32 logits and
+    0.42 ms in bfloat16 on a 2-core Xeon, the greedy tree verifier's one pass over them."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
+        raise ValueError(f"rows_argmax_cpu needs CPU logits [R, V > 0] with contiguous rows; "
+                         f"got {tuple(logits.shape)} on {logits.device}")
+    return load().rows_argmax_cpu(logits)
+
+
 def kv_compact_cpu(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,
                    isa: str = "vec") -> None:
     """``kernels.kv_compact_ref``'s moves (src/dst [B, M] flat slots, -1 = no move; every

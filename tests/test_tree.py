@@ -10,7 +10,8 @@ import torch
 from vllm_clover.tree import (MC_SIM_7B_63, PRESETS, StaticTree, accepted_kv_moves, buffers_from_parents,
                               build_dynamic_tree, drafter_head_step_fn, dynamic_budget, expand_static_tree,
                               get_tree, graft_chain, greedy_accept, greedy_topk, leaf_paths,
-                              positions_to_slots, sample_accept, sampling_topk, tree_for_batch_size)
+                              positions_to_slots, sample_accept, sampling_topk, single_tree_buffers,
+                              tree_for_batch_size)
 
 # The list from the brief, written out independently of the module's constant.
 BRIEF_MC_SIM = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -143,6 +144,19 @@ def test_buffers_from_parents_with_padding():
     assert b.positions(torch.tensor([10, 20])).tolist() == [[10, 11, 11, 12, 12], [20, 21, 22, 20, 20]]
     with pytest.raises(ValueError, match="BFS"):
         buffers_from_parents(torch.tensor([[-1, 2, 0]]))
+
+
+def test_single_tree_buffers_equal_the_batched_builder():
+    rng = torch.Generator().manual_seed(5)
+    for n1 in [1, 2, 5, 17, 40] * 20:
+        parent = [-1] + [int(torch.randint(0, n, (1,), generator=rng)) for n in range(1, n1)]
+        a, b = buffers_from_parents(torch.tensor([parent])), single_tree_buffers(parent)
+        for field in ("parent", "depth", "rank", "valid", "ancestor_mask", "children", "num_nodes"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert x.dtype == y.dtype and torch.equal(x, y), (field, parent)
+    for bad in ([-1, 2, 0], [0, 0], [-1, -1]):
+        with pytest.raises(ValueError, match="BFS|root"):
+            single_tree_buffers(bad)
 
 
 def test_static_buffers_broadcast():

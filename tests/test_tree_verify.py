@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.tree_attention_cpu import LAYOUTS, amx_tiles_usable, tree_attention_paged_cpu
+from kernels.tree_attention_cpu import LAYOUTS, amx_tiles_usable, rows_argmax_cpu, tree_attention_paged_cpu
 from kernels.tree_attention_cpu import load as load_cpu_kernel
 from vllm_clover.tree import StaticTree, buffers_from_parents, get_tree, greedy_accept
 from vllm_clover.tree_verify import (TreeRequest, TreeStep, chain_metadata, chain_only_reason,
                                      check_cpu_kv_layout, cpu_cache_tokens, cpu_cache_views, cpu_kernel_inputs,
-                                     select_tree, spine, tree_attention_rows, trunk_view)
+                                     rows_argmax, select_tree, spine, tree_attention_rows, trunk_view)
 
 TREE = StaticTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], "t7")
 
@@ -229,6 +229,30 @@ def test_cpu_compaction_kernel_equals_the_reference(dtype, isa) -> None:
     got = [t for raw in raws for t in cpu_cache_tokens(raw, d, isa)]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert not any(torch.equal(r, t) for r, t in zip(ref, (t for k, v in dense for t in (k, v))))  # every cache moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49152])
+def test_rows_argmax_kernel_is_torch_max_indices(dtype, vocab) -> None:
+    """The greedy verifier's argmax (C++, AVX-512 where built with it) gives torch.max's
+    index: the first of tied maxima, the first NaN, -inf rows, and a strided row view."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g), torch.randint(0, 3, (vocab,), generator=g).float(),
+            torch.full((vocab,), -math.inf), torch.zeros(vocab)]
+    if vocab > 1:
+        nan = torch.randn(vocab, generator=g)
+        nan[vocab // 2:] = math.nan
+        inf = torch.randn(vocab, generator=g)
+        inf[[vocab - 1, vocab // 3]] = math.inf
+        rows += [nan, inf]
+    logits = torch.stack(rows).to(dtype)
+    expected = logits.max(-1).indices
+    assert torch.equal(rows_argmax_cpu(logits), expected)
+    assert torch.equal(rows_argmax(logits), expected)
+    wide = torch.cat([logits, torch.full((len(rows), 5), 1e4, dtype=dtype)], 1)[:, :vocab]  # strided rows
+    assert torch.equal(rows_argmax_cpu(wide), expected)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        rows_argmax_cpu(torch.randn(8, 4).t())
 
 
 @pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), pytest.param(torch.bfloat16, "amx", marks=needs_amx)])

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -164,6 +165,39 @@ def buffers_from_parents(parent: Tensor, valid: Tensor | None = None) -> TreeBuf
     children[bi, parent[bi, ni], rank[bi, ni]] = ni
     return TreeBuffers(parent=parent, depth=depth, rank=rank, valid=valid, ancestor_mask=anc,
                        children=children, num_nodes=valid.sum(-1))
+
+
+def single_tree_buffers(parent: Sequence[int]) -> TreeBuffers:
+    """:func:`buffers_from_parents` of one tree given as a list, every column real: the same
+    tensors (batch of one), built in numpy. Why: the verifier builds one per request and
+    step, and retrieval grafts make most trees new; the batched builder loops torch ops
+    over nodes (0.7 ms for 30 nodes on a 2-core Xeon), this takes about 0.05 ms.
+
+    parent [N+1]: BFS parent pointers, -1 at the root (``parent[n] < n`` for n >= 1)."""
+    par = np.asarray(parent, dtype=np.int64)
+    n1 = par.shape[0]
+    if n1 == 0 or par[0] != -1:
+        raise ValueError("the root (column 0) must have parent -1")
+    idx = np.arange(n1)
+    if ((par[1:] >= idx[1:]) | (par[1:] < 0)).any():
+        raise ValueError("parent pointers are not in BFS order (parent[n] must be < n)")
+    depth = np.zeros(n1, dtype=np.int64)
+    anc = np.eye(n1, dtype=bool)
+    rank = np.full(n1, -1, dtype=np.int64)
+    kids: list[list[int]] = [[] for _ in range(n1)]
+    for n in range(1, n1):
+        p = int(par[n])
+        depth[n] = depth[p] + 1
+        anc[n] |= anc[p]
+        rank[n] = len(kids[p])
+        kids[p].append(n)
+    children = np.full((n1, max(max(len(k) for k in kids), 1)), -1, dtype=np.int64)
+    for n, k in enumerate(kids):
+        children[n, : len(k)] = k
+    t = torch.from_numpy
+    return TreeBuffers(parent=t(par)[None], depth=t(depth)[None], rank=t(rank)[None],
+                       valid=torch.ones(1, n1, dtype=torch.bool), ancestor_mask=t(anc)[None],
+                       children=t(children)[None], num_nodes=torch.tensor([n1]))
 
 
 def leaf_paths(parent: Tensor) -> Tensor:
