@@ -16,7 +16,10 @@ Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...]`` (``@K`` overrides
 
 How it measures (conditions are written into the JSON):
 - Each (method, repeat) runs in a fresh subprocess with one ``LLM`` (``max_num_seqs`` = the
-  largest batch size), so methods never share process state or Prometheus counters.
+  largest batch size), so methods never share process state or Prometheus counters. The
+  subprocess is ``python -m benchmarks.bench`` in the current directory: from a checkout's
+  root it imports that checkout's ``vllm_clover`` and ``kernels`` (no reinstall after an
+  edit; do not edit code while a bench runs).
 - Batch size ``b``: the prompts are submitted in waves of ``b`` concurrent requests; tokens/s
   = generated tokens / wall time over all waves (prefill included; one warm-up wave first).
 - Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch

@@ -54,13 +54,12 @@ def add_timer(totals: dict[str, float], calls: collections.Counter, owner: Any, 
 def install_timers(totals: dict[str, float], calls: collections.Counter) -> None:
     import vllm_clover.proposer as proposer
     import vllm_clover.tree_verify as tree_verify
+    from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_clover.proposer import CloverProposer
     from vllm_clover.vllm_model import CloverForSpeculativeDecoding
-
-    from vllm.model_executor.models.llama import LlamaForCausalLM
 
     for owner, attr, key in ((GPUModelRunner, "execute_model", "target forward"),
                              # Inside the target forward: batch bookkeeping, input and

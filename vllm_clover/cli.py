@@ -65,9 +65,10 @@ SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tre
 # same for 1 to 16 rows and +2-3 ms from 17 to 32 (docs/cpu-defaults.md) and tree rows attend
 # with AMX tiles: the heads' top-4 first tokens with their children (`wide_9`), up to 16 lookup
 # tokens from the root and 2 under each of its 5 leaves, 36 verify tokens at most (20 on
-# average). 2.02x and 1.99x vanilla bf16 (two runs), 3.14 tokens per step on 20 MT-Bench
-# prompts, against 1.98x / 2.98 without the leaf lookups and 1.99x / 2.75 for the earlier
-# small_4 + 16 (README "Latest"); small_4 + 5 / 10 stays the float32 default, where every row
+# average). 2.02x and 1.99x vanilla bf16 (two runs), 2.07x after the cheaper verify step
+# (second session of 2026-12-05), 3.14 tokens per step on 20 MT-Bench prompts, against
+# 1.98x / 2.98 without the leaf lookups and 1.99x / 2.75 for the earlier small_4 + 16
+# (README "Latest"); small_4 + 5 / 10 stays the float32 default, where every row
 # costs.
 SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "wide_9", "prompt_lookup_tokens": 16,
                                   "leaf_lookup_tokens": 2, "tree_token_budget": 36}
