@@ -598,15 +598,15 @@ int64_t row_argmax(const T* x, int64_t n) {
   for (int64_t i = 0; i < full; i += kLanes)
     for (int64_t l = 0; l < kLanes; ++l) {
       const float f = as_float(x[i + l]);
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      lane_nan[l] |= (bits & 0x7fffffffu) > 0x7f800000u;
+      lane_nan[l] |= is_nan_bits(f);
       const bool greater = f > lane_max[l];
       lane_max[l] = greater ? f : lane_max[l];
       lane_idx[l] = greater ? static_cast<int32_t>(i + l) : lane_idx[l];
     }
+  // (-inf, index 0) is the answer when every element is -inf; the tail comes after every
+  // lane's index, so it wins only when larger.
   float best = -INFINITY;
-  int64_t best_idx = n;
+  int64_t best_idx = 0;
   bool nan = false;
   for (int64_t l = 0; l < kLanes && l < n; ++l) {
     nan |= lane_nan[l] != 0;
@@ -618,7 +618,7 @@ int64_t row_argmax(const T* x, int64_t n) {
   for (int64_t i = full; i < n; ++i) {
     const float f = as_float(x[i]);
     nan |= is_nan_bits(f);
-    if (f > best || best_idx == n) {  // the tail comes after every lane's index
+    if (f > best) {
       best = f;
       best_idx = i;
     }
