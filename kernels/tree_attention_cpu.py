@@ -76,9 +76,10 @@ def amx_tiles_usable() -> bool:
     return bool(load().has_amx_tiles()) and torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx()
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> Any:
-    """Compile (first call on this machine: about a minute) and import the kernel module."""
+def build_extension(name: str, source: Path, cflags: list[str], env_var: str) -> Any:
+    """Compile (first call on this machine: about a minute) and import the C++ extension
+    ``name`` from ``source``; CpuKernelBuildError names what failed and ``env_var`` (the switch
+    that turns the kernel off)."""
     from torch.utils import cpp_extension
 
     # torch finds ninja on PATH; a venv used without activation (`.venv/bin/vllm-clover serve`)
@@ -87,13 +88,19 @@ def load() -> Any:
     if shutil.which("ninja") is None and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
-        return cpp_extension.load(name="vllm_clover_tree_attention_cpu", sources=[str(SOURCE)],
-                                  extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_isa_flags()], verbose=False)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags, verbose=False)
     except Exception as exc:  # compiler missing, ninja missing, build error: all fatal here
         raise CpuKernelBuildError(
-            f"vllm-clover: could not build the CPU tree-attention kernel {SOURCE.name} "
+            f"vllm-clover: could not build the CPU kernel {source.name} "
             f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
-            f"install g++ and ninja, or set {ENV_VAR}=0 for the slower PyTorch path") from exc
+            f"install g++ and ninja, or set {env_var}=0 to run without it") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any:
+    """Compile (first call on this machine: about a minute) and import the kernel module."""
+    return build_extension("vllm_clover_tree_attention_cpu", SOURCE,
+                           ["-O3", "-ffast-math", "-fopenmp", *_isa_flags()], ENV_VAR)
 
 
 def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,

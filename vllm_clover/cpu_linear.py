@@ -19,6 +19,13 @@ bfloat16 copies packed for oneDNN they take 2.1-2.4 ms instead of 3.5-3.7 ms (2-
 with AVX512-BF16, caches evicted between steps). Only the products change dtype: inputs are
 cast down, outputs back up, and norms, gates, attention and the KV cache stay in the model's
 dtype. Drafts may differ in rare near-ties; verification keeps output exactly the target's.
+
+The target's float32 linears (patch ``cpu-fp32-linear-kernel``, :func:`install_fp32_linear_kernel`):
+on AVX-512 CPUs every float32 linear layer vLLM builds, the target's and the LM head included,
+runs through ``kernels.linear_cpu`` instead of oneDNN, in every engine of a process where the
+plugin is loaded (plain vLLM too, so speed comparisons stay like for like): one to ~40 rows
+cost less there, which is what decoding and tree verification run (docs/cpu-linear.md).
+``VLLM_CLOVER_CPU_LINEAR=0`` restores vLLM's dispatch.
 """
 
 from __future__ import annotations
@@ -109,3 +116,48 @@ def repack_vllm_linears(loaded: list[tuple[nn.Module, Tensor]], compute_dtype: t
         packed = PackedLinear(weight, compute_dtype=compute_dtype)
         layer.cpu_linear = lambda x, _w, bias, p=packed: p(x) if bias is None else p(x) + bias
     return len(loaded)
+
+
+_FP32_PATCHED = "_vllm_clover_fp32_linear"
+
+
+def uses_fp32_kernel(layer: nn.Module) -> bool:
+    """Will :func:`install_fp32_linear_kernel`'s dispatch give ``layer`` the float32 kernel?
+    A float32 2-D weight on an AVX-512 CPU (not AMD's zentorch build), kernel not turned off."""
+    from vllm.platforms import current_platform
+
+    from kernels import linear_cpu
+
+    weight = getattr(layer, "weight", None)
+    return (isinstance(weight, Tensor) and not weight.is_meta and weight.dim() == 2
+            and weight.dtype == torch.float32 and current_platform.is_cpu()
+            and not current_platform.is_zen_cpu() and linear_cpu.enabled() and linear_cpu.supported())
+
+
+def install_fp32_linear_kernel() -> None:
+    """Wrap vLLM's ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` (called at load by
+    ``UnquantizedLinearMethod`` and ``VocabParallelEmbedding``'s LM head, both importing it
+    from ``vllm.model_executor.layers.utils`` at call time): layers for which
+    :func:`uses_fp32_kernel` holds get ``layer.cpu_linear`` over a packed copy of their weight
+    (freed afterwards when vLLM would free it); every other layer goes to vLLM's dispatch.
+    Idempotent."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, _FP32_PATCHED, False):
+        return
+
+    def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None:
+        if not uses_fp32_kernel(layer):
+            return original(layer, remove_weight)
+        from kernels import linear_cpu
+
+        out_features = layer.weight.shape[0]
+        packed = linear_cpu.pack_weight(layer.weight)
+        layer.cpu_linear = lambda x, _weight, bias: linear_cpu.linear(x, packed, out_features, bias)
+        if remove_weight:  # as vLLM's dispatch does: the packed copy is all the layer needs
+            layer.weight = nn.Parameter(torch.empty(0, dtype=torch.float32), requires_grad=False)
+
+    setattr(dispatch_cpu_unquantized_gemm, _FP32_PATCHED, True)
+    dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm

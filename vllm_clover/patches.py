@@ -374,6 +374,34 @@ def _check_cpu_linear_dispatch() -> None:
         UnquantizedLinearMethod.process_weights_after_loading)
 
 
+def _install_fp32_linear_kernel() -> None:
+    from vllm_clover import cpu_env
+
+    if cpu_env.is_cpu_platform():
+        from vllm_clover import cpu_linear
+
+        cpu_linear.install_fp32_linear_kernel()
+
+
+def _check_fp32_linear_kernel() -> None:
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    # The function we wrap, and its two callers, which import it from the module at call time
+    # (so they see the wrapper).
+    original = getattr(utils.dispatch_cpu_unquantized_gemm, "__wrapped__", utils.dispatch_cpu_unquantized_gemm)
+    assert _params(original) == ["layer", "remove_weight"]
+    for method in (UnquantizedLinearMethod.process_weights_after_loading,
+                   UnquantizedEmbeddingMethod.process_weights_after_loading):
+        src = _source(method)
+        assert "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm" in src, method
+    # What we set in its place, and how vLLM calls it.
+    body = _file_function_source("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm")
+    assert "layer.cpu_linear = lambda x, weight, bias:" in body and "ops.create_onednn_mm(" in body
+    assert "layer.cpu_linear(x, weight, bias)" in _source(utils.cpu_unquantized_gemm)
+
+
 def _check_custom_op_dispatch() -> None:
     from vllm.model_executor.custom_op import CustomOp
 
@@ -611,6 +639,21 @@ CATALOGUE: list[Patch] = [
         remove_when="vLLM's generator rewind supports CPU generators",
         apply=_install_runner_sample_tokens,
         check=_check_runner_sample_tokens,
+    ),
+    Patch(
+        name="cpu-fp32-linear-kernel",
+        target="vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
+        why=(
+            "CPU with AVX-512, float32 weights (the CPU default dtype): every linear layer and the "
+            "LM head run through kernels/linear_cpu.py instead of oneDNN, in every engine of the "
+            "process (plain vLLM too, so comparisons stay like for like). At 1 to ~40 rows oneDNN's "
+            "float32 matmul costs ~1.3 ms per extra row for the default model's 30 layers, this "
+            "kernel ~0.6, and a row's result does not depend on the row count (docs/cpu-linear.md). "
+            "VLLM_CLOVER_CPU_LINEAR=0 turns it off."
+        ),
+        remove_when="vLLM's CPU float32 GEMM costs the same per row at small row counts",
+        apply=_install_fp32_linear_kernel,
+        check=_check_fp32_linear_kernel,
     ),
     Patch(
         name="drafter-cpu-linear-dtype",

@@ -1,0 +1,185 @@
+// float32 linear layers for vLLM's CPU build: y [M, N] = x [M, K] @ W[N, K]^T (+ bias), with W
+// packed once at load into column blocks of 16, [ceil(N/16), K, 16] (block j holds columns
+// 16j..16j+15, contiguous over k).
+//
+// Why (docs/cpu-linear.md): at the row counts of decoding and of verifying a token tree (1 to
+// ~40 rows), oneDNN's float32 matmul, vLLM's choice for float32 weights on CPU
+// (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
+// memory and the compute bound on a 2-core AVX-512 Xeon: the default model's 30 layers take
+// ~24-28 ms for 1 row and ~1.3 ms more per row. Here each 64-byte weight vector is loaded once
+// per tile of up to 12 rows and used in one FMA per row, with the next vectors prefetched.
+//
+// Numerics: every output element is one FMA chain over k = 0..K-1 in order, started at 0,
+// whatever M, the row's position in the batch or the tile shape; a row's result is therefore
+// bit-identical in a 1-row decode step and inside a many-row verify or prefill step. That is
+// the property speculative decoding's greedy losslessness needs from the target's matmuls.
+// Do not build with -ffast-math (it would allow re-associating the chains).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 16;      // columns per packed block (one zmm of floats)
+constexpr int kMaxRows = 12;        // rows per register tile
+constexpr int64_t kColTile = 8;     // column blocks per parallel work item
+constexpr int64_t kRowPanel = 240;  // rows per pass over the weights (x panel stays in L2)
+constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of weight lines
+
+// Column blocks per register tile for a tile of MR rows: MR * CB accumulators + CB weight
+// vectors stay within the 32 zmm registers.
+constexpr int cols_for_rows(int mr) {
+  return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;
+}
+
+// One register tile: MR rows of x times CB packed column blocks (starting at block jb).
+template <int MR, int CB>
+inline void tile(const float* x, int64_t K, const float* wp, int64_t jb, float* y, int64_t N) {
+  __m512 acc[MR][CB];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* w0 = wp + jb * K * kBlock;
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 w[CB];
+#pragma GCC unroll 16
+    for (int c = 0; c < CB; ++c) {
+      w[c] = _mm512_loadu_ps(w0 + (c * K + k) * kBlock);
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + (c * K + k + kPrefetch) * kBlock), _MM_HINT_T0);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+#pragma GCC unroll 16
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(xb, w[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < CB; ++c) {
+      const int64_t n = (jb + c) * kBlock;
+      if (n + kBlock <= N) {
+        _mm512_storeu_ps(y + r * N + n, acc[r][c]);
+      } else if (n < N) {
+        _mm512_mask_storeu_ps(y + r * N + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[r][c]);
+      }
+    }
+}
+
+// The last rem (< CB) column blocks of a row tile, as one register tile of that width.
+template <int MR, int R>
+void tile_rest(int64_t rem, const float* x, int64_t K, const float* wp, int64_t jb, float* y, int64_t N) {
+  if (rem == R) {
+    tile<MR, R>(x, K, wp, jb, y, N);
+  } else if constexpr (R > 1) {
+    tile_rest<MR, R - 1>(rem, x, K, wp, jb, y, N);
+  }
+}
+
+// Column blocks [j0, j1) for one tile of MR rows, in steps of cols_for_rows(MR).
+template <int MR>
+void tile_rows(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t j0, int64_t j1) {
+  constexpr int CB = cols_for_rows(MR);
+  int64_t j = j0;
+  for (; j + CB <= j1; j += CB) tile<MR, CB>(x, K, wp, j, y, N);
+  if constexpr (CB > 1) {
+    if (j < j1) tile_rest<MR, CB - 1>(j1 - j, x, K, wp, j, y, N);
+  }
+}
+
+template <int MR>
+void dispatch_rows(int64_t mr, const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t j0,
+                   int64_t j1) {
+  if (mr == MR) {
+    tile_rows<MR>(x, K, wp, y, N, j0, j1);
+  } else if constexpr (MR > 1) {
+    dispatch_rows<MR - 1>(mr, x, K, wp, y, N, j0, j1);
+  }
+}
+
+void check_packed(const torch::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous(),
+              "linear_f32: packed weight must be a contiguous float32 [ceil(N/16), K, 16] tensor");
+  TORCH_CHECK(packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k && packed.size(2) == kBlock,
+              "linear_f32: packed weight ", packed.sizes(), " does not match N=", n, ", K=", k);
+}
+
+}  // namespace
+
+// W [N, K] float32 -> [ceil(N/16), K, 16], zero-padded past column N.
+torch::Tensor pack_f32(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_f32: need a float32 [N, K] weight");
+  const auto w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), nb = (n + kBlock - 1) / kBlock;
+  auto out = torch::zeros({nb, k, kBlock}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t c = 0; c < kBlock && j * kBlock + c < n; ++c)
+        for (int64_t i = 0; i < k; ++i) dst[(j * k + i) * kBlock + c] = src[(j * kBlock + c) * k + i];
+  });
+  return out;
+}
+
+// x [M, K] float32 (any strides; copied if not contiguous), packed from pack_f32 of W [N, K],
+// bias [N] or None -> y [M, N] float32.
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                         const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(),
+              "linear_f32: x must be a float32 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+  const auto xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  check_packed(packed, n, k);
+  auto y = torch::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Column tiles of at most kColTile blocks, as many per thread (on 2 threads 576 columns
+  // = 36 blocks make 6 tiles of 6, not 5 tiles of 8 split 3:2).
+  const int64_t nb = packed.size(0), threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t rounds = (nb + threads * kColTile - 1) / (threads * kColTile);
+  const int64_t width = std::max<int64_t>(1, (nb + threads * rounds - 1) / (threads * rounds));
+  const int64_t col_tiles = (nb + width - 1) / width;
+  for (int64_t p0 = 0; p0 < m; p0 += kRowPanel) {
+    const int64_t rows = std::min(kRowPanel, m - p0);
+    const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, mr0 = (rows + tiles - 1) / tiles;  // even tiles
+    at::parallel_for(0, col_tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t j0 = t * width, j1 = std::min(nb, j0 + width);
+        for (int64_t r = p0; r < p0 + rows; r += mr0) {
+          const int64_t mr = std::min(mr0, p0 + rows - r);
+          dispatch_rows<kMaxRows>(mr, xp + r * k, k, wp, yp + r * n, n, j0, j1);
+        }
+      }
+    });
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_f32: bias must be [N]");
+    y.add_(bias->to(at::kFloat));
+  }
+  return y;
+}
+
+TORCH_LIBRARY(vllm_clover_cpu, m) {
+  m.def("linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("pack_f32(Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_clover_cpu, CPU, m) {
+  m.impl("linear_f32", &linear_f32);
+  m.impl("pack_f32", &pack_f32);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack_f32", &pack_f32, "W [N, K] float32 -> packed [ceil(N/16), K, 16]");
+  m.def("linear_f32", &linear_f32, "x [M, K] @ W^T (+ bias) from the packed weight");
+}

@@ -1,0 +1,71 @@
+"""float32 linear layers on AVX-512 CPUs: a C++ kernel (``csrc/linear_cpu.cpp``) for
+``x @ W.T (+ bias)`` over a weight packed once at load, compiled on first use.
+
+Why: vLLM's CPU build runs float32 weights through oneDNN (``dispatch_cpu_unquantized_gemm``),
+which at decoding's and tree verification's row counts (1 to ~40) is far from the machine's
+bounds on a 2-core AVX-512 Xeon; this kernel streams each weight vector once per tile of up to
+12 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
+chain over K, so a row's result does not depend on how many rows share the call: the
+property greedy speculative decoding needs to stay token-identical to one-row decoding.
+
+The op is ``torch.ops.vllm_clover_cpu.linear_f32(x, packed, n, bias)`` (registered in C++, with
+a shape-only fake for ``torch.compile``); :func:`linear` wraps it for any leading shape.
+``VLLM_CLOVER_CPU_LINEAR=0`` turns the kernel off (vLLM's oneDNN path then runs as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.tree_attention_cpu import build_extension
+
+SOURCE = Path(__file__).with_name("csrc") / "linear_cpu.cpp"
+ENV_VAR = "VLLM_CLOVER_CPU_LINEAR"
+
+
+def enabled() -> bool:
+    """False when ``VLLM_CLOVER_CPU_LINEAR=0`` asks for vLLM's own float32 linears."""
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{ENV_VAR}={value!r}; expected 0 or 1")
+    return value != "0"
+
+
+def supported() -> bool:
+    """The kernel needs AVX-512 (16-float vectors, masked stores); elsewhere vLLM's path stays."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Any:
+    """Compile (first call on this machine: about half a minute) and import the kernel; also
+    registers the op's fake (shape-only) implementation for ``torch.compile``."""
+    # No -ffast-math: it would allow re-associating the FMA chains (the row-invariance above).
+    module = build_extension("vllm_clover_linear_cpu", SOURCE, ["-O3", "-fopenmp", "-mavx512f", "-mfma"], ENV_VAR)
+
+    @torch.library.register_fake("vllm_clover_cpu::linear_f32")
+    def _linear_f32_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    return module
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 -> the kernel's layout [ceil(N/16), K, 16] (a copy; W may be freed)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight needs a float32 [N, K] CPU weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    load()
+    return torch.ops.vllm_clover_cpu.pack_f32(weight.detach())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x [..., K] float32 and ``packed = pack_weight(W)`` -> [..., N]."""
+    y = torch.ops.vllm_clover_cpu.linear_f32(x.reshape(-1, x.shape[-1]), packed, out_features, bias)
+    return y.reshape(*x.shape[:-1], out_features)
