@@ -9,10 +9,14 @@ the same run.
     vllm-clover bench --methods vanilla,ngram,clover:vllm_clover/heads/smollm2-135m-instruct-clover2 \
         --batch-sizes 1,8,32 --prompts mtbench --max-tokens 256 --output result.json --plot plots/
 
-Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...]`` (``@K`` overrides
+Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...][!VAR=VALUE;...]`` (``@K`` overrides
 ``--num-speculative-tokens`` for that method; ``?...`` adds integer or string entries to its
-``speculative_config``, e.g. Clover's ``draft_vocab_size``), e.g. ``ngram@4``,
-``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``, ``clover:/ckpt/clover@4?draft_vocab_size=4096``.
+``speculative_config``, e.g. Clover's ``draft_vocab_size``; ``!...`` sets environment
+variables of that method's process, e.g. ``vanilla!VLLM_CLOVER_CPU_LINEAR=0``), e.g.
+``ngram@4``, ``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``,
+``clover:/ckpt/clover@4?draft_vocab_size=4096``. A method with environment variables is
+compared with the ``vanilla`` run under the same variables when the run has one (like for
+like), else with plain ``vanilla``.
 
 How it measures (conditions are written into the JSON):
 - Each (method, repeat) runs in a fresh subprocess with one ``LLM`` (``max_num_seqs`` = the
@@ -46,11 +50,12 @@ Output schema (``--output``)::
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
                   "tokens_per_s_runs", "speedup_vs_vanilla_runs", "num_speculative_tokens", "checkpoint",
-                  "draft_cost_vs_target_step", "acceptance_length_when_drafting"}]}
+                  "draft_cost_vs_target_step", "acceptance_length_when_drafting", "env"}]}
 
 ``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them, in repeat order;
 ``speedup_vs_vanilla_runs`` divides each by vanilla's run of the same repeat);
-``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla.
+``mean_acceptance_length`` is 1.0 and ``acceptance_per_position`` empty for vanilla;
+``env`` holds the method's ``!VAR=VALUE`` settings ({} without).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class MethodSpec:
     path: str | None
     k: int | None
     options: tuple[tuple[str, object], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # environment of the method's process (``!VAR=VALUE``)
 
 
 def _option_value(text: str) -> int | float | str:
@@ -89,9 +95,23 @@ def _option_value(text: str) -> int | float | str:
     return text
 
 
+def _parse_env(text: str, label: str) -> tuple[tuple[str, str], ...]:
+    """``VAR=VALUE;VAR=VALUE`` -> ((VAR, VALUE), ...); VAR must be an environment variable name."""
+    env = []
+    for item in [i for i in text.split(";") if i]:
+        var, eq, value = item.partition("=")
+        if not eq or not var.replace("_", "a").isalnum() or var[0].isdigit():
+            raise ValueError(f"bad environment setting {item!r} in {label!r}; expected VAR=VALUE")
+        env.append((var, value))
+    return tuple(env)
+
+
 def parse_method(text: str) -> MethodSpec:
-    """``NAME[:PATH][@K][?KEY=VALUE&...]`` -> MethodSpec; a clear error for anything else."""
-    text_body, _, query = text.partition("?")
+    """``NAME[:PATH][@K][?KEY=VALUE&...][!VAR=VALUE;...]`` -> MethodSpec; a clear error for
+    anything else."""
+    rest, _, env_text = text.partition("!")
+    env = _parse_env(env_text, text)
+    text_body, _, query = rest.partition("?")
     options = []
     for item in [i for i in query.split("&") if i]:
         key, eq, value = item.partition("=")
@@ -110,7 +130,7 @@ def parse_method(text: str) -> MethodSpec:
         raise ValueError(f"bad speculative token count {k!r} in {text!r}")
     if options and name in ("vanilla",):
         raise ValueError(f"method {name!r} takes no options (got {query!r})")
-    return MethodSpec(text, name, path or None, int(k) if k else None, tuple(options))
+    return MethodSpec(text, name, path or None, int(k) if k else None, tuple(options), env)
 
 
 def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
@@ -239,12 +259,13 @@ def tokens_per_decode_step(tokens: int, requests: int, accepted: int, drafts: in
 
 def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> list[dict]:
     """Mean over repeats per (method, batch size), plus speedup vs vanilla of the same run."""
-    results = []
+    results, result_specs = [], []
     for spec in methods:
         for b in sorted({r["batch_size"] for r in runs}):
             mine = [r for r in runs if r["method"] == spec.label and r["batch_size"] == b]
             if not mine:
                 continue
+            result_specs.append(spec)
             tps = [r["tokens_per_s"] for r in mine]
             npos = max(len(r["acceptance_per_position"]) for r in mine)
             results.append({
@@ -262,10 +283,12 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
                 "num_speculative_tokens": mine[0].get("num_speculative_tokens",
                                                       None if spec.name == "vanilla" else (spec.k or default_k)),
                 "checkpoint": spec.path,
+                "env": dict(spec.env),
             })
-    for r in results:
-        base = [v for v in results if v["method"].split(":")[0].split("@")[0] == "vanilla"
-                and v["batch_size"] == r["batch_size"]]
+    vanillas = {spec.env: spec.label for spec in methods if spec.name == "vanilla"}
+    for r, spec in zip(results, result_specs):
+        base_label = vanillas.get(spec.env, vanillas.get(()))
+        base = [v for v in results if v["method"] == base_label and v["batch_size"] == r["batch_size"]]
         r["speedup_vs_vanilla"] = r["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
         # Per repeat (runs are listed in repeat order): methods of one repeat ran minutes
         # apart, so these ratios cancel the machine's slow drifts that the means keep.
@@ -375,7 +398,7 @@ def plot(results: list[dict], out_dir: Path, conditions: dict) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="vllm-clover bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default="vanilla,ngram", help="comma list of NAME[:PATH][@K]")
+    ap.add_argument("--methods", default="vanilla,ngram", help="comma list of NAME[:PATH][@K][?KEY=VALUE&...][!VAR=VALUE;...]")
     ap.add_argument("--batch-sizes", default="1")
     ap.add_argument("--prompts", default="mtbench", help="mtbench | sharegpt-heldout | FILE.jsonl")
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -415,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         for spec in (methods if rep % 2 == 0 else methods[::-1]):
             cmd = [sys.executable, "-m", "benchmarks.bench", *argv, "--worker", spec.label]
             t0 = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **dict(spec.env)})
             line = [l for l in proc.stdout.splitlines() if l.startswith("BENCH_ROWS ")]
             if proc.returncode != 0 or not line:
                 sys.exit(f"vllm-clover bench: {spec.label} failed (exit {proc.returncode}):\n"

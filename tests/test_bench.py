@@ -22,7 +22,31 @@ def test_parse_method_forms() -> None:
     assert spec.options == (("tree", "chain2"), ("datastore_min_confidence", 0.25), ("datastore", "ds.npz"))
 
 
+def test_parse_method_environment() -> None:
+    spec = bench.parse_method("vanilla!VLLM_CLOVER_CPU_LINEAR=0;OMP_X=a=b")
+    assert spec.name == "vanilla" and spec.env == (("VLLM_CLOVER_CPU_LINEAR", "0"), ("OMP_X", "a=b"))
+    spec = bench.parse_method("clover:/h?tree=small_4!VLLM_CLOVER_CPU_LINEAR=0")
+    assert spec.options == (("tree", "small_4"),) and spec.env == (("VLLM_CLOVER_CPU_LINEAR", "0"),)
+    assert bench.parse_method("clover:/h@2").env == ()
+
+
+def test_aggregate_compares_like_environments() -> None:
+    """A method run with ``!VAR=VALUE`` is divided by the vanilla run under the same variables."""
+    labels = ["vanilla", "vanilla!K=0", "ngram@2", "ngram@2!K=0", "ngram@2!K=1"]
+    methods = [bench.parse_method(m) for m in labels]
+    tps = {"vanilla": 10.0, "vanilla!K=0": 8.0, "ngram@2": 20.0, "ngram@2!K=0": 12.0, "ngram@2!K=1": 30.0}
+    runs = [{"method": m, "batch_size": 1, "tokens_per_s": t, "mean_acceptance_length": 1.0,
+             "acceptance_per_position": []} for m, t in tps.items()]
+    res = {r["method"]: r for r in bench.aggregate(runs, methods, 4)}
+    assert res["ngram@2"]["speedup_vs_vanilla"] == pytest.approx(2.0)
+    assert res["ngram@2!K=0"]["speedup_vs_vanilla"] == pytest.approx(1.5)  # vs vanilla!K=0
+    assert res["vanilla!K=0"]["speedup_vs_vanilla"] == pytest.approx(1.0)
+    assert res["ngram@2!K=1"]["speedup_vs_vanilla"] == pytest.approx(3.0)  # no vanilla!K=1: plain vanilla
+    assert res["ngram@2!K=0"]["env"] == {"K": "0"} and res["ngram@2"]["env"] == {}
+
+
 @pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("clover", "needs a checkpoint"),
+                                      ("vanilla!X", "expected VAR=VALUE"), ("vanilla!1X=2", "expected VAR=VALUE"),
                                       ("ngram:/x", "takes no checkpoint"), ("ngram@x", "bad speculative"),
                                       ("clover:/h?draft_vocab_size", "expected KEY=VALUE"),
                                       ("vanilla?x=1", "takes no options")])
