@@ -23,7 +23,9 @@ How it measures (conditions are written into the JSON):
   largest batch size), so methods never share process state or Prometheus counters. The
   subprocess is ``python -m benchmarks.bench`` in the current directory: from a checkout's
   root it imports that checkout's ``vllm_clover`` and ``kernels`` (no reinstall after an
-  edit; do not edit code while a bench runs).
+  edit; do not edit code while a bench runs). The ``vllm-clover bench`` console script itself
+  (argument parsing, aggregation) is the installed copy: after changing this file run
+  ``python -m benchmarks.bench`` from the root, or ``make``.
 - Batch size ``b``: the prompts are submitted in waves of ``b`` concurrent requests; tokens/s
   = generated tokens / wall time over all waves (prefill included; one warm-up wave first).
 - Acceptance: differences of vLLM's own counters (``LLM.get_metrics()``) around each batch

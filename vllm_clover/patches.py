@@ -648,7 +648,7 @@ CATALOGUE: list[Patch] = [
             "LM head run through kernels/linear_cpu.py instead of oneDNN, in every engine of the "
             "process (plain vLLM too, so comparisons stay like for like). At 1 to ~40 rows oneDNN's "
             "float32 matmul costs ~1.3 ms per extra row for the default model's 30 layers, this "
-            "kernel ~0.6, and a row's result does not depend on the row count (docs/cpu-linear.md). "
+            "kernel ~0.8, and a row's result does not depend on the row count (docs/cpu-linear.md). "
             "VLLM_CLOVER_CPU_LINEAR=0 turns it off."
         ),
         remove_when="vLLM's CPU float32 GEMM costs the same per row at small row counts",
