@@ -138,6 +138,8 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, in
   const auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
   check_packed(packed, n, k);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n), "linear_f32: bias must be [N]");
   auto y = torch::empty({m, n}, xc.options());
   if (m == 0) return y;
   const float* xp = xc.data_ptr<float>();
@@ -162,10 +164,7 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, in
       }
     });
   }
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_f32: bias must be [N]");
-    y.add_(bias->to(at::kFloat));
-  }
+  if (has_bias) y.add_(bias->to(at::kFloat));
   return y;
 }
 
@@ -179,7 +178,6 @@ TORCH_LIBRARY_IMPL(vllm_clover_cpu, CPU, m) {
   m.impl("pack_f32", &pack_f32);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_f32", &pack_f32, "W [N, K] float32 -> packed [ceil(N/16), K, 16]");
-  m.def("linear_f32", &linear_f32, "x [M, K] @ W^T (+ bias) from the packed weight");
-}
+// Callers use the torch ops above (torch.ops.vllm_clover_cpu.*); the Python module only lets
+// torch.utils.cpp_extension.load import the library, which registers them.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
