@@ -4,7 +4,7 @@
 Why: vLLM's CPU build runs float32 weights through oneDNN (``dispatch_cpu_unquantized_gemm``),
 which at decoding's and tree verification's row counts (1 to ~40) is far from the machine's
 bounds on a 2-core AVX-512 Xeon; this kernel streams each weight vector once per tile of up to
-12 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
+14 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
 chain over K, so a row's result does not depend on how many rows share the call: the
 property greedy speculative decoding needs to stay token-identical to one-row decoding.
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from vllm_clover import cli, cpu_env
+from vllm_clover.tree import get_tree
 
 
 def test_serve_argv_adds_cpu_defaults(monkeypatch) -> None:
@@ -40,30 +41,36 @@ def default_with_heads(monkeypatch, tmp_path):
     return heads
 
 
-@pytest.mark.parametrize("flags, options", [
-    ({"avx2", "fma"}, cli.SHIPPED_SERVE_OPTIONS),
-    ({"avx2", "avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
+@pytest.mark.parametrize("flags, linear_kernel, options", [
+    ({"avx2", "fma"}, "1", cli.SHIPPED_SERVE_OPTIONS),
+    ({"avx2", "avx512f"}, "1", cli.SHIPPED_SERVE_OPTIONS_AVX512_FP32),
+    ({"avx2", "avx512f"}, "0", cli.SHIPPED_SERVE_OPTIONS_AVX512),
 ])
 def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, monkeypatch, flags,
-                                                            options) -> None:
+                                                            linear_kernel, options) -> None:
     monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("VLLM_CLOVER_CPU_LINEAR", linear_kernel)
     argv = cli.serve_argv(None, "h", 1, [])
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "clover", "model": str(default_with_heads), **options}
     assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
-    # AVX-512: a 4-node tree and room for all 5 lookup tokens (1 root + 4 + 5 = 10 rows).
-    assert options["tree"] == ("small_4" if "avx512f" in flags else "chain2")
+    # AVX-512 with the float32 linear kernel: a 5-node tree and 8 lookup tokens, 1 root + 5 + 8
+    # = 14 rows, one register tile of the kernel; on oneDNN a 4-node tree and 5 (10 rows).
+    rows = 1 + len(get_tree(options["tree"]).paths) + options["prompt_lookup_tokens"]
+    expected = ("chain2", 8) if "avx512f" not in flags else ("small_5", 14) if linear_kernel == "1" else ("small_4", 10)
+    assert (options["tree"], rows) == expected
 
 
 @pytest.mark.parametrize("dtype_args, flags, options", [
     (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
     (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
-    (["--dtype", "float32"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
-    (["--dtype", "bfloat16"], {"avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),
+    (["--dtype", "float32"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AVX512_FP32),
+    (["--dtype", "bfloat16"], {"avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),  # the float32 kernel does not apply
 ])
 def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_with_heads, monkeypatch, dtype_args,
                                                                       flags, options) -> None:
     monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("VLLM_CLOVER_CPU_LINEAR", raising=False)
     argv = cli.serve_argv(None, "h", 1, dtype_args)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "clover", "model": str(default_with_heads), **options}

@@ -17,7 +17,7 @@ from vllm_clover.tree import (MC_SIM_7B_63, PRESETS, StaticTree, accepted_kv_mov
 BRIEF_MC_SIM = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
                 [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
                 [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
-ALL_TREES = ["mc_sim_7b_63", "small_10", "small_4", "wide_9", "chain1", "chain5"]
+ALL_TREES = ["mc_sim_7b_63", "small_10", "small_3", "small_4", "small_5", "wide_9", "chain1", "chain5"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -41,8 +41,10 @@ def test_mc_sim_7b_63_shape():
 
 
 def test_presets_and_chain():
-    assert set(PRESETS) == {"mc_sim_7b_63", "small_10", "small_4", "wide_9"}
+    assert set(PRESETS) == {"mc_sim_7b_63", "small_10", "small_3", "small_4", "small_5", "wide_9"}
     assert get_tree("small_4").nodes_per_depth == [1, 2, 2]
+    assert get_tree("small_3").parent.tolist() == [-1, 0, 0, 1]
+    assert get_tree("small_5").parent.tolist() == [-1, 0, 0, 0, 1, 2]
     assert get_tree("wide_9").nodes_per_depth == [1, 4, 5]
     assert get_tree("wide_9").parent.tolist() == [-1, 0, 0, 0, 0, 1, 1, 2, 3, 4]
     assert get_tree("small_10").nodes_per_depth == [1, 2, 3, 2, 2, 1]

@@ -61,6 +61,15 @@ SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_voc
 # first tokens, each with its top-1 child, + 5 lookup tokens, 10 verify tokens per request.
 # Measured ahead of chain2 in every repeat compiled (README "A larger tree when rows are free").
 SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
+# float32 on CPUs with AVX-512 while the float32 linear kernel runs the target's linears
+# (kernels/linear_cpu.py; not with VLLM_CLOVER_CPU_LINEAR=0): 14 rows fit its register tile
+# and a verified row costs ~0.8 ms (docs/cpu-linear.md), so the top-3 first tokens, top-1
+# children under the first two (`small_5`) and 8 lookup tokens, 14 verify tokens at most.
+# 1.83x vanilla float32 (1.81, 1.92, 1.77) and 2.77 tokens per step on 20 MT-Bench prompts,
+# against 1.77x and 2.55 for small_4 + 5 / 10 in the same run (README "Latest: 14 verify rows
+# in float32").
+SHIPPED_SERVE_OPTIONS_AVX512_FP32 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "small_5", "prompt_lookup_tokens": 8,
+                                     "tree_token_budget": 14}
 # bfloat16 on CPUs with AMX tiles (`--dtype bfloat16`), where the target's linears cost the
 # same for 1 to 16 rows and +2-3 ms from 17 to 32 (docs/cpu-defaults.md) and tree rows attend
 # with AMX tiles: the heads' top-4 first tokens with their children (`wide_9`), up to 16 lookup
@@ -68,8 +77,7 @@ SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tre
 # average). 2.02x and 1.99x vanilla bf16 (two runs), 2.07x after the cheaper verify step
 # (second session of 2026-12-05), 3.14 tokens per step on 20 MT-Bench prompts, against
 # 1.98x / 2.98 without the leaf lookups and 1.99x / 2.75 for the earlier small_4 + 16
-# (README "Latest"); small_4 + 5 / 10 stays the float32 default, where every row
-# costs.
+# (README "Latest"); float32, where every row costs its FMAs, keeps 14 rows (above).
 SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "wide_9", "prompt_lookup_tokens": 16,
                                   "leaf_lookup_tokens": 2, "tree_token_budget": 36}
 # GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
@@ -85,7 +93,13 @@ def shipped_serve_options(dtype: str | None = None) -> dict:
         return SHIPPED_SERVE_OPTIONS_GPU
     if dtype in ("bfloat16", "bf16") and "amx_tile" in cpu_env.cpu_flags():
         return SHIPPED_SERVE_OPTIONS_AMX_BF16
-    return SHIPPED_SERVE_OPTIONS_AVX512 if cpu_env.cheap_verify_rows() else SHIPPED_SERVE_OPTIONS
+    if not cpu_env.cheap_verify_rows():
+        return SHIPPED_SERVE_OPTIONS
+    from kernels import linear_cpu  # here: importing it imports torch, which the CLI's start does not need
+
+    if dtype in (None, "auto", "float32", "float") and linear_cpu.enabled():
+        return SHIPPED_SERVE_OPTIONS_AVX512_FP32
+    return SHIPPED_SERVE_OPTIONS_AVX512
 
 
 def default_clover_config(heads: Path, dtype: str | None = None) -> str:

@@ -73,8 +73,18 @@ SMALL_4: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (1, 0))
 # the target's greedy float32 answers to 80 MT-Bench questions, with 16 retrieval tokens,
 # 3.05 tokens per step against small_4's 2.84 (benchmarks/replay_tree.py).
 WIDE_9: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (2, 0), (3, 0))
+# small_4 less the second first token's child (small_3), or plus the third first token
+# (small_5): trees for float32 on CPUs, where each verified row costs its FMAs (~0.8 ms for the
+# default model, docs/cpu-linear.md) and up to 14 rows fit one register tile of the float32
+# linear kernel, so the rows a smaller tree saves go to prompt-lookup tokens. Replayed on the
+# target's float32 answers to 20 MT-Bench questions with 14 verify rows at most (small_3 + 10
+# retrieval tokens, small_4 + 9, small_5 + 8): 2.74, 2.72 and 2.77 tokens per step over 6.9, 7.6
+# and 8.4 rows per step on average, against 2.54 over 6.3 for small_4 + 5 (10 rows).
+SMALL_3: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0))
+SMALL_5: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 0), (1, 0))
 PRESETS: dict[str, tuple[tuple[int, ...], ...]] = {"mc_sim_7b_63": MC_SIM_7B_63, "small_10": SMALL_10,
-                                                   "small_4": SMALL_4, "wide_9": WIDE_9}
+                                                   "small_3": SMALL_3, "small_4": SMALL_4, "small_5": SMALL_5,
+                                                   "wide_9": WIDE_9}
 DEFAULT_TREE = "mc_sim_7b_63"
 
 
@@ -323,7 +333,8 @@ def chain_paths(k: int) -> tuple[tuple[int, ...], ...]:
 
 @lru_cache(maxsize=None)
 def get_tree(name: str = DEFAULT_TREE) -> StaticTree:
-    """A named preset: ``"mc_sim_7b_63"`` (default), ``"small_10"``, ``"small_4"`` or ``"chain<K>"``."""
+    """A named preset (``PRESETS``: ``"mc_sim_7b_63"``, the default, ``"small_10"``, ``"small_3"``,
+    ``"small_4"``, ``"small_5"``, ``"wide_9"``) or ``"chain<K>"``."""
     m = re.fullmatch(r"chain(\d+)", name)
     if m:
         return StaticTree(chain_paths(int(m.group(1))), name)

@@ -7,7 +7,7 @@
 // (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
 // memory and the compute bound on a 2-core AVX-512 Xeon: the default model's 30 layers take
 // ~24-28 ms for 1 row and ~1.3 ms more per row. Here each 64-byte weight vector is loaded once
-// per tile of up to 12 rows and used in one FMA per row, with the next vectors prefetched.
+// per tile of up to 14 rows and used in one FMA per row, with the next vectors prefetched.
 //
 // Numerics: every output element is one FMA chain over k = 0..K-1 in order, started at 0,
 // whatever M, the row's position in the batch or the tile shape; a row's result is therefore
@@ -26,7 +26,12 @@
 namespace {
 
 constexpr int64_t kBlock = 16;      // columns per packed block (one zmm of floats)
-constexpr int kMaxRows = 12;        // rows per register tile
+// Rows per register tile. 14 (x 2 column blocks: 28 accumulators + 2 weight vectors) is the
+// most the 32 zmm registers hold; on the 2-core Xeon, 13-14 rows in one tile took 28.6-29.4 ms
+// for the default model against 32.3-34.0 ms as two tiles of 7 (bench_linear_cpu, 2026-12-05).
+// One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
+// row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
+constexpr int kMaxRows = 14;
 constexpr int64_t kColTile = 8;     // column blocks per parallel work item
 constexpr int64_t kRowPanel = 240;  // rows per pass over the weights (x panel stays in L2)
 constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of weight lines
@@ -34,7 +39,7 @@ constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of we
 // Column blocks per register tile for a tile of MR rows: MR * CB accumulators + CB weight
 // vectors stay within the 32 zmm registers.
 constexpr int cols_for_rows(int mr) {
-  return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;
+  return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;  // 14 x 2 + 2 = 30
 }
 
 // One register tile: MR rows of x times CB packed column blocks (starting at block jb).
