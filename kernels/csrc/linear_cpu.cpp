@@ -26,8 +26,8 @@
 namespace {
 
 constexpr int64_t kBlock = 16;      // columns per packed block (one zmm of floats)
-// Rows per register tile. 14 (x 2 column blocks: 28 accumulators + 2 weight vectors) is the
-// most the 32 zmm registers hold; on the 2-core Xeon, 13-14 rows in one tile took 28.6-29.4 ms
+// Rows per register tile. 14 x 2 column blocks (28 accumulators + 2 weight vectors) fits the 32
+// zmm registers with room to spare; on the 2-core Xeon, 13-14 rows in one tile took 28.6-29.4 ms
 // for the default model against 32.3-34.0 ms as two tiles of 7 (bench_linear_cpu, 2026-12-05).
 // One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
 // row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
