@@ -1,10 +1,10 @@
-"""float32 linear layers on AVX-512 CPUs: a C++ kernel (``csrc/linear_cpu.cpp``) for
-``x @ W.T (+ bias)`` over a weight packed once at load, compiled on first use.
+"""float32 linear layers on AVX-512 and AVX2 CPUs: a C++ kernel (``csrc/linear_cpu.cpp``) for
+``x @ W.T (+ bias)`` over a weight packed once at load, compiled on first use for this CPU's ISA.
 
 Why: vLLM's CPU build runs float32 weights through oneDNN (``dispatch_cpu_unquantized_gemm``),
 which at decoding's and tree verification's row counts (1 to ~40) is far from the machine's
-bounds on a 2-core AVX-512 Xeon; this kernel streams each weight vector once per tile of up to
-14 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
+bounds on a 2-core AVX-512 Xeon and on a 2-core AVX2 EPYC; this kernel streams each weight
+vector once per tile of up to 14 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
 chain over K, so a row's result does not depend on how many rows share the call: the
 property greedy speculative decoding needs to stay token-identical to one-row decoding.
 
@@ -36,9 +36,13 @@ def enabled() -> bool:
     return value != "0"
 
 
+# torch's CPU capability -> the kernel's build flags (its register tiles are sized per ISA).
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+
+
 def supported() -> bool:
-    """The kernel needs AVX-512 (16-float vectors, masked stores); elsewhere vLLM's path stays."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """The kernel needs AVX-512, or AVX2 with FMA; elsewhere vLLM's path stays."""
+    return torch.backends.cpu.get_cpu_capability() in ISA_FLAGS
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +50,11 @@ def load() -> Any:
     """Compile (first call on this machine: about half a minute) and import the kernel; also
     registers the op's fake (shape-only) implementation for ``torch.compile``."""
     # No -ffast-math: it would allow re-associating the FMA chains (the row-invariance above).
-    module = build_extension("vllm_clover_linear_cpu", SOURCE, ["-O3", "-fopenmp", "-mavx512f", "-mfma"], ENV_VAR)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ISA_FLAGS:
+        raise RuntimeError(f"the float32 linear kernel needs AVX-512 or AVX2 (this CPU: {capability})")
+    # The flags are part of torch's build hash: another ISA gets its own build.
+    module = build_extension("vllm_clover_linear_cpu", SOURCE, ["-O3", "-fopenmp", *ISA_FLAGS[capability]], ENV_VAR)
 
     @torch.library.register_fake("vllm_clover_cpu::linear_f32")
     def _linear_f32_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ cast down, outputs back up, and norms, gates, attention and the KV cache stay in
 dtype. Drafts may differ in rare near-ties; verification keeps output exactly the target's.
 
 The target's float32 linears (patch ``cpu-fp32-linear-kernel``, :func:`install_fp32_linear_kernel`):
-on AVX-512 CPUs every float32 linear layer vLLM builds, the target's and the LM head included,
+on AVX-512 and AVX2 CPUs every float32 linear layer vLLM builds, the target's and the LM head included,
 runs through ``kernels.linear_cpu`` instead of oneDNN, in every engine of a process where the
 plugin is loaded (plain vLLM too, so speed comparisons stay like for like): one to ~40 rows
 cost less there, which is what decoding and tree verification run (docs/cpu-linear.md).
@@ -123,7 +123,7 @@ _FP32_PATCHED = "_vllm_clover_fp32_linear"
 
 def uses_fp32_kernel(layer: nn.Module) -> bool:
     """Will :func:`install_fp32_linear_kernel`'s dispatch give ``layer`` the float32 kernel?
-    A float32 2-D weight on an AVX-512 CPU (not AMD's zentorch build), kernel not turned off."""
+    A float32 2-D weight on an AVX-512 or AVX2 CPU (not AMD's zentorch build), kernel not turned off."""
     from vllm.platforms import current_platform
 
     from kernels import linear_cpu

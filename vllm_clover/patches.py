@@ -643,7 +643,7 @@ CATALOGUE: list[Patch] = [
         name="cpu-fp32-linear-kernel",
         target="vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm",
         why=(
-            "CPU with AVX-512, float32 weights (the CPU default dtype): every linear layer and the "
+            "CPU with AVX-512 or AVX2, float32 weights (the CPU default dtype): every linear layer and the "
             "LM head run through kernels/linear_cpu.py instead of oneDNN, in every engine of the "
             "process (plain vLLM too, so comparisons stay like for like). At 1 to ~40 rows oneDNN's "
             "float32 matmul costs ~1.3 ms per extra row for the default model's 30 layers, this "

@@ -5,9 +5,10 @@
 // Why (docs/cpu-linear.md): at the row counts of decoding and of verifying a token tree (1 to
 // ~40 rows), oneDNN's float32 matmul, vLLM's choice for float32 weights on CPU
 // (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
-// memory and the compute bound on a 2-core AVX-512 Xeon: the default model's 30 layers take
-// ~24-28 ms for 1 row and ~1.3 ms more per row. Here each 64-byte weight vector is loaded once
-// per tile of up to 14 rows and used in one FMA per row, with the next vectors prefetched.
+// memory and the compute bound on a 2-core AVX-512 Xeon (the default model's 30 layers: ~24-28
+// ms for 1 row, ~1.3 ms more per row) and on a 2-core AVX2 EPYC. Here each weight vector is
+// loaded once per tile of up to 14 rows and used in one FMA per row, with the next vectors
+// prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
 //
 // Numerics: every output element is one FMA chain over k = 0..K-1 in order, started at 0,
 // whatever M, the row's position in the batch or the tile shape; a row's result is therefore
@@ -25,87 +26,123 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;      // columns per packed block (one zmm of floats)
+constexpr int64_t kBlock = 16;      // columns per packed block (one zmm, or two ymm, of floats)
+constexpr int64_t kColTile = 8;     // column blocks per parallel work item
+constexpr int64_t kRowPanel = 240;  // rows per pass over the weights (x panel stays in L2)
+constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of weight lines
+
+#if defined(__AVX512F__)
+// AVX-512: one zmm per packed block, 32 registers.
+using Vec = __m512;
+constexpr int kVecs = 1;  // vectors per packed block
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // Rows per register tile. 14 x 2 column blocks (28 accumulators + 2 weight vectors) fits the 32
 // zmm registers with room to spare; on the 2-core Xeon, 13-14 rows in one tile took 28.6-29.4 ms
 // for the default model against 32.3-34.0 ms as two tiles of 7 (bench_linear_cpu, 2026-12-05).
 // One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
 // row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
 constexpr int kMaxRows = 14;
-constexpr int64_t kColTile = 8;     // column blocks per parallel work item
-constexpr int64_t kRowPanel = 240;  // rows per pass over the weights (x panel stays in L2)
-constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of weight lines
-
-// Column blocks per register tile for a tile of MR rows: MR * CB accumulators + CB weight
+// Column vectors (= blocks) per register tile for MR rows: MR * CV accumulators + CV weight
 // vectors stay within the 32 zmm registers.
 constexpr int cols_for_rows(int mr) {
   return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;  // 14 x 2 + 2 = 30
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA: two ymm per packed block (the packed layout is the same on both ISAs) and 16
+// registers; tiles are counted in vectors, so 14 rows fit as 14 accumulators over one ymm
+// column (+ 1 weight vector + 1 broadcast).
+using Vec = __m256;
+constexpr int kVecs = 2;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+constexpr int kMaxRows = 14;
+// Column vectors per register tile for MR rows: MR * CV accumulators + CV weight vectors + 1
+// broadcast within 16 (1 row: each weight is used once, so it is loaded into the FMA).
+constexpr int cols_for_rows(int mr) {
+  return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : mr <= 6 ? 2 : 1;
+}
+#else
+#error "linear_cpu.cpp needs AVX-512F, or AVX2 with FMA (kernels/linear_cpu.py passes the flags)"
+#endif
+constexpr int kVecFloats = kBlock / kVecs;
 
-// One register tile: MR rows of x times CB packed column blocks (starting at block jb).
-template <int MR, int CB>
-inline void tile(const float* x, int64_t K, const float* wp, int64_t jb, float* y, int64_t N) {
-  __m512 acc[MR][CB];
+// Address of packed column vector v (block v / kVecs, its (v % kVecs)-th part) at step k.
+inline const float* wvec(const float* wp, int64_t K, int64_t v, int64_t k) {
+  return wp + ((v / kVecs) * K + k) * kBlock + (v % kVecs) * kVecFloats;
+}
+
+// One register tile: MR rows of x times CV packed column vectors, starting at vector v0.
+template <int MR, int CV>
+inline void tile(const float* x, int64_t K, const float* wp, int64_t v0, float* y, int64_t N) {
+  Vec acc[MR][CV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
-    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
-  const float* w0 = wp + jb * K * kBlock;
+    for (int c = 0; c < CV; ++c) acc[r][c] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 w[CB];
+    Vec w[CV];
 #pragma GCC unroll 16
-    for (int c = 0; c < CB; ++c) {
-      w[c] = _mm512_loadu_ps(w0 + (c * K + k) * kBlock);
-      _mm_prefetch(reinterpret_cast<const char*>(w0 + (c * K + k + kPrefetch) * kBlock), _MM_HINT_T0);
+    for (int c = 0; c < CV; ++c) {
+      w[c] = vload(wvec(wp, K, v0 + c, k));
+      _mm_prefetch(reinterpret_cast<const char*>(wvec(wp, K, v0 + c, k + kPrefetch)), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+      const Vec xb = vbroadcast(x[r * K + k]);
 #pragma GCC unroll 16
-      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(xb, w[c], acc[r][c]);
+      for (int c = 0; c < CV; ++c) acc[r][c] = vfma(xb, w[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
-    for (int c = 0; c < CB; ++c) {
-      const int64_t n = (jb + c) * kBlock;
-      if (n + kBlock <= N) {
-        _mm512_storeu_ps(y + r * N + n, acc[r][c]);
-      } else if (n < N) {
-        _mm512_mask_storeu_ps(y + r * N + n, static_cast<__mmask16>((1u << (N - n)) - 1), acc[r][c]);
+    for (int c = 0; c < CV; ++c) {
+      const int64_t n = (v0 + c) * kVecFloats;
+      if (n + kVecFloats <= N) {
+        vstore(y + r * N + n, acc[r][c]);
+      } else if (n < N) {  // the last, partial vector (the packed block is zero-padded)
+        alignas(64) float tail[kVecFloats];
+        vstore(tail, acc[r][c]);
+        std::copy(tail, tail + (N - n), y + r * N + n);
       }
     }
 }
 
-// The last rem (< CB) column blocks of a row tile, as one register tile of that width.
+// The last rem (< CV) column vectors of a row tile, as one register tile of that width.
 template <int MR, int R>
-void tile_rest(int64_t rem, const float* x, int64_t K, const float* wp, int64_t jb, float* y, int64_t N) {
+void tile_rest(int64_t rem, const float* x, int64_t K, const float* wp, int64_t v0, float* y, int64_t N) {
   if (rem == R) {
-    tile<MR, R>(x, K, wp, jb, y, N);
+    tile<MR, R>(x, K, wp, v0, y, N);
   } else if constexpr (R > 1) {
-    tile_rest<MR, R - 1>(rem, x, K, wp, jb, y, N);
+    tile_rest<MR, R - 1>(rem, x, K, wp, v0, y, N);
   }
 }
 
-// Column blocks [j0, j1) for one tile of MR rows, in steps of cols_for_rows(MR).
+// Column vectors [v0, v1) for one tile of MR rows, in steps of cols_for_rows(MR).
 template <int MR>
-void tile_rows(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t j0, int64_t j1) {
-  constexpr int CB = cols_for_rows(MR);
-  int64_t j = j0;
-  for (; j + CB <= j1; j += CB) tile<MR, CB>(x, K, wp, j, y, N);
-  if constexpr (CB > 1) {
-    if (j < j1) tile_rest<MR, CB - 1>(j1 - j, x, K, wp, j, y, N);
+void tile_rows(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t v0, int64_t v1) {
+  constexpr int CV = cols_for_rows(MR);
+  int64_t v = v0;
+  for (; v + CV <= v1; v += CV) tile<MR, CV>(x, K, wp, v, y, N);
+  if constexpr (CV > 1) {
+    if (v < v1) tile_rest<MR, CV - 1>(v1 - v, x, K, wp, v, y, N);
   }
 }
 
 template <int MR>
-void dispatch_rows(int64_t mr, const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t j0,
-                   int64_t j1) {
+void dispatch_rows(int64_t mr, const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t v0,
+                   int64_t v1) {
   if (mr == MR) {
-    tile_rows<MR>(x, K, wp, y, N, j0, j1);
+    tile_rows<MR>(x, K, wp, y, N, v0, v1);
   } else if constexpr (MR > 1) {
-    dispatch_rows<MR - 1>(mr, x, K, wp, y, N, j0, j1);
+    dispatch_rows<MR - 1>(mr, x, K, wp, y, N, v0, v1);
   }
 }
 
@@ -164,7 +201,7 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, in
         const int64_t j0 = t * width, j1 = std::min(nb, j0 + width);
         for (int64_t r = p0; r < p0 + rows; r += mr0) {
           const int64_t mr = std::min(mr0, p0 + rows - r);
-          dispatch_rows<kMaxRows>(mr, xp + r * k, k, wp, yp + r * n, n, j0, j1);
+          dispatch_rows<kMaxRows>(mr, xp + r * k, k, wp, yp + r * n, n, j0 * kVecs, j1 * kVecs);
         }
       }
     });
