@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from vllm_clover.config import CloverConfig
-from vllm_clover.cpu_linear import PackedLinear, onednn_available, pack_linears
+from vllm_clover import cpu_linear
+from vllm_clover.cpu_linear import PackedLinear, onednn_available, onednn_bf16_matmul, pack_linears
 from vllm_clover.model import CloverDrafter
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs vLLM's CPU build with oneDNN")
+needs_bf16 = pytest.mark.skipif(not onednn_bf16_matmul(), reason="oneDNN multiplies bfloat16 with AVX-512 or AMX only")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -60,6 +62,7 @@ def test_packed_linear_refuses_a_non_matrix() -> None:
         PackedLinear(torch.randn(3))
 
 
+@needs_bf16
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_in_bfloat16_takes_and_gives_float32(bias: bool) -> None:
     """compute_dtype=bfloat16: float32 in and out, the product over bfloat16 copies (as
@@ -75,6 +78,14 @@ def test_packed_linear_in_bfloat16_takes_and_gives_float32(bias: bool) -> None:
     assert not torch.equal(got, PackedLinear(w, b)(x))
 
 
+def test_packed_linear_in_bfloat16_refuses_cpus_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2-only CPUs: a clear error at load naming the option, not oneDNN's primitive error."""
+    monkeypatch.setattr(cpu_linear, "onednn_bf16_matmul", lambda: False)
+    with pytest.raises(ValueError, match="AVX-512 or AMX.*draft_dtype 'auto' or 'float32'"):
+        PackedLinear(torch.randn(8, 4), compute_dtype=torch.bfloat16)
+
+
+@needs_bf16
 def test_pack_linears_in_bfloat16_stays_close() -> None:
     drafter = _small_drafter(seed=3, num_heads=2)
     x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))

@@ -55,6 +55,9 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 # n-gram, the shipped n-gram datastore fills the lookup's slots while its next token is at
 # least 20% likely (datastore_min_confidence's default). The fastest at batch 1: ahead of
 # the same without the datastore on average in 2 runs on 2 machines (3 of their 4 repeats).
+# With the float32 linear kernel on a 2-core Zen 1 EPYC (AVX2): 1.41x and 1.37x vanilla on two
+# sets of 10 MT-Bench prompts, level with chain2 + 3 lookup tokens / 6 rows (1.46x, 1.37x), ahead
+# of small_3 + 2 / 6 (1.26x) (README "Latest: the float32 linear kernel on AVX2 CPUs").
 SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                          "datastore": "datastore.npz", "disable_by_batch_size": 3}
 # CPUs with AVX-512, where verify rows are nearly free (cpu_env.cheap_verify_rows): the top-2

@@ -50,6 +50,13 @@ def native_bf16_matmul() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def onednn_bf16_matmul() -> bool:
+    """Can vLLM's oneDNN build multiply bfloat16 on this CPU? It needs AVX-512 (converting) or
+    AMX. On an AVX2-only CPU (a 2-core Zen 1 EPYC, 2026-12-05) creating the primitive fails:
+    "could not create a primitive descriptor for the matmul primitive"."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" or bool(torch.cpu._is_amx_tile_supported())
+
+
 def draft_matmul_dtype(option: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the drafter's packed products for the ``draft_dtype`` option: "auto" is
     bfloat16 for a float32 model on a CPU with native bfloat16 matmuls, else the model's."""
@@ -76,6 +83,11 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach()
         self.out_features, self.in_features = weight.shape
         self.compute_dtype = weight.dtype if compute_dtype is None else compute_dtype
+        if self.compute_dtype == torch.bfloat16 and not onednn_bf16_matmul():
+            raise ValueError(
+                "vllm-clover: the drafter's bfloat16 products need a CPU with AVX-512 or AMX for "
+                f"oneDNN (this CPU: {torch.backends.cpu.get_cpu_capability()}); "
+                "use draft_dtype 'auto' or 'float32'")
         # vLLM's own call for the target's linears (utils.py); 32 = primitive cache entries,
         # one per distinct row count.
         self.handler: Any = ops.create_onednn_mm(weight.detach().to(self.compute_dtype).t(), 32)
