@@ -4,9 +4,10 @@
 Why: vLLM's CPU build runs float32 weights through oneDNN (``dispatch_cpu_unquantized_gemm``),
 which at decoding's and tree verification's row counts (1 to ~40) is far from the machine's
 bounds on a 2-core AVX-512 Xeon and on a 2-core AVX2 EPYC; this kernel streams each weight
-vector once per tile of up to 14 rows (docs/cpu-linear.md has the measurements). Every output element is one in-order FMA
-chain over K, so a row's result does not depend on how many rows share the call: the
-property greedy speculative decoding needs to stay token-identical to one-row decoding.
+vector once per tile of up to 14 rows (docs/cpu-linear.md has the measurements). Every output
+element is one in-order FMA chain over K, so a row's result does not depend on how many rows
+share the call: the property greedy speculative decoding needs to stay token-identical to
+one-row decoding.
 
 The op is ``torch.ops.vllm_clover_cpu.linear_f32(x, packed, n, bias)`` (registered in C++, with
 a shape-only fake for ``torch.compile``); :func:`linear` wraps it for any leading shape.
@@ -51,7 +52,7 @@ def load() -> Any:
     registers the op's fake (shape-only) implementation for ``torch.compile``."""
     # No -ffast-math: it would allow re-associating the FMA chains (the row-invariance above).
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ISA_FLAGS:
+    if not supported():
         raise RuntimeError(f"the float32 linear kernel needs AVX-512 or AVX2 (this CPU: {capability})")
     # The flags are part of torch's build hash: another ISA gets its own build.
     module = build_extension("vllm_clover_linear_cpu", SOURCE, ["-O3", "-fopenmp", *ISA_FLAGS[capability]], ENV_VAR)

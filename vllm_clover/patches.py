@@ -646,8 +646,9 @@ CATALOGUE: list[Patch] = [
             "CPU with AVX-512 or AVX2, float32 weights (the CPU default dtype): every linear layer and the "
             "LM head run through kernels/linear_cpu.py instead of oneDNN, in every engine of the "
             "process (plain vLLM too, so comparisons stay like for like). At 1 to ~40 rows oneDNN's "
-            "float32 matmul costs ~1.3 ms per extra row for the default model's 30 layers, this "
-            "kernel ~0.8, and a row's result does not depend on the row count (docs/cpu-linear.md). "
+            "float32 matmul costs ~1.3 ms per extra row for the default model's 30 layers on a "
+            "2-core AVX-512 Xeon, this kernel ~0.8 (on a 2-core AVX2 EPYC rows 2-6 cost it nearly "
+            "nothing), and a row's result does not depend on the row count (docs/cpu-linear.md). "
             "VLLM_CLOVER_CPU_LINEAR=0 turns it off."
         ),
         remove_when="vLLM's CPU float32 GEMM costs the same per row at small row counts",
