@@ -8,6 +8,10 @@ Shapes: the default model's (SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 6
 30 layers, 49,152-token LM head) with random weights, each layer its own tensors, so the
 weights stream from memory as in a decode step. Per row count: median milliseconds of one pass
 over all layers (+ the LM head), each path timed in alternation, and oneDNN / kernel.
+``--shapes drafter``: instead the products of one Clover-2 drafting step at batch 1 with the
+shipped heads (2 Augmenting layers, the trunk's and a head's Attention Decoder, head0_proj,
+head_proj, two 4,096-row draft LM heads); ``--bf16-weights`` adds the kernel over weights
+packed in bfloat16 (``draft_dtype`` bfloat16) as a third column.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ def llama_linear_shapes(hidden: int, heads: int, kv_heads: int, head_dim: int, m
     return [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden), (hidden, 2 * mlp), (mlp, hidden)]
 
 
+def drafter_linear_shapes(hidden: int = 576, draft_vocab: int = 4096) -> list[tuple[int, int]]:
+    """(in, out) of one Clover-2 drafting step at batch 1 with a chain of 2 heads: the trunk's
+    Attention Decoder (q, k, v), 2 Augmenting layers, head 0 (head0_proj + LM head), head 1
+    (Attention Decoder, head_proj over [s, e], LM head)."""
+    attn_decoder = [(hidden, hidden)] * 3
+    head0 = [(hidden, hidden), (hidden, draft_vocab)]
+    head1 = attn_decoder + [(2 * hidden, hidden), (hidden, draft_vocab)]
+    return attn_decoder + llama_linear_shapes(hidden, 9, 3, 64, 1536) * 2 + head0 + head1
+
+
 def median_ms(fn: Callable[[], None], iters: int) -> float:
     fn()
     times = []
@@ -42,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--vocab", type=int, default=49152, help="LM head rows (0: no LM head)")
     ap.add_argument("--iters", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of the two paths")
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of the paths")
+    ap.add_argument("--shapes", choices=("target", "drafter"), default="target")
+    ap.add_argument("--bf16-weights", action="store_true", help="also the kernel over bfloat16 weights")
     args = ap.parse_args(argv)
 
     from vllm import _custom_ops as ops
@@ -50,23 +66,34 @@ def main(argv: list[str] | None = None) -> None:
     from kernels import linear_cpu
 
     torch.manual_seed(0)
-    shapes = llama_linear_shapes(576, 9, 3, 64, 1536) * args.layers + ([(576, args.vocab)] if args.vocab else [])
-    onednn, ours = [], []
+    if args.shapes == "drafter":
+        shapes = drafter_linear_shapes()
+    else:
+        shapes = llama_linear_shapes(576, 9, 3, 64, 1536) * args.layers + ([(576, args.vocab)] if args.vocab else [])
+    onednn, ours, halves = [], [], []
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
         onednn.append((ops.create_onednn_mm(w.t(), 32), k))  # as dispatch_cpu_unquantized_gemm does
         ours.append((linear_cpu.pack_weight(w), n, k))
+        if args.bf16_weights:
+            halves.append((linear_cpu.pack_weight(w, torch.bfloat16), n, k))
     print(f"threads {torch.get_num_threads()}, {len(shapes)} float32 linears "
           f"({sum(n * k for k, n in shapes) * 4 / 1e6:.0f} MB of weights)")
-    print(f"{'rows':>5} {'oneDNN ms':>10} {'kernel ms':>10} {'ratio':>6}")
+    print(f"{'rows':>5} {'oneDNN ms':>10} {'kernel ms':>10} {'ratio':>6}"
+          + (f" {'bf16w ms':>10} {'ratio':>6}" if halves else ""))
     for m in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(m, k) for k in {k for k, _ in shapes}}
-        a, b = [], []
+        a, b, c = [], [], []
         for _ in range(args.rounds):
             a.append(median_ms(lambda: [ops.onednn_mm(h, xs[k], None) for h, k in onednn], args.iters))
             b.append(median_ms(lambda: [linear_cpu.linear(xs[k], p, n) for p, n, k in ours], args.iters))
-        print(f"{m:5d} {statistics.median(a):10.2f} {statistics.median(b):10.2f} "
-              f"{statistics.median(a) / statistics.median(b):6.2f}", flush=True)
+            if halves:
+                c.append(median_ms(lambda: [linear_cpu.linear(xs[k], p, n) for p, n, k in halves], args.iters))
+        line = f"{m:5d} {statistics.median(a):10.2f} {statistics.median(b):10.2f} " \
+               f"{statistics.median(a) / statistics.median(b):6.2f}"
+        if halves:
+            line += f" {statistics.median(c):10.2f} {statistics.median(a) / statistics.median(c):6.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ one-row decoding.
 
 The op is ``torch.ops.vllm_clover_cpu.linear_f32(x, packed, n, bias)`` (registered in C++, with
 a shape-only fake for ``torch.compile``); :func:`linear` wraps it for any leading shape.
+``linear_bf16w`` is the same over weights packed in bfloat16 (``pack_weight(W, torch.bfloat16)``):
+half the bytes per pass, float32 inputs, products and sums, for the drafter's products where
+its weights may be rounded (option ``draft_dtype``; never the target's).
 ``VLLM_CLOVER_CPU_LINEAR=0`` turns the kernel off (vLLM's oneDNN path then runs as before).
 """
 
@@ -57,24 +60,33 @@ def load() -> Any:
     # The flags are part of torch's build hash: another ISA gets its own build.
     module = build_extension("vllm_clover_linear_cpu", SOURCE, ["-O3", "-fopenmp", *ISA_FLAGS[capability]], ENV_VAR)
 
-    @torch.library.register_fake("vllm_clover_cpu::linear_f32")
-    def _linear_f32_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
+
+    for op in ("linear_f32", "linear_bf16w"):
+        torch.library.register_fake(f"vllm_clover_cpu::{op}")(_linear_fake)
 
     return module
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 -> the kernel's layout [ceil(N/16), K, 16] (a copy; W may be freed)."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] float32 -> the kernel's layout [ceil(N/16), K, 16] in ``dtype`` (a copy; W may
+    be freed). ``torch.bfloat16`` rounds the weights to nearest-even bfloat16."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack_weight needs a float32 [N, K] CPU weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_weight packs float32 or bfloat16 weights, not {dtype}")
     load()
+    if dtype == torch.bfloat16:
+        return torch.ops.vllm_clover_cpu.pack_bf16(weight.detach().to(torch.bfloat16))
     return torch.ops.vllm_clover_cpu.pack_f32(weight.detach())
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for x [..., K] float32 and ``packed = pack_weight(W)`` -> [..., N]."""
-    y = torch.ops.vllm_clover_cpu.linear_f32(x.reshape(-1, x.shape[-1]), packed, out_features, bias)
+    """``x @ W.T (+ bias)`` for x [..., K] float32 and ``packed = pack_weight(W, dtype)`` ->
+    [..., N] float32."""
+    op = torch.ops.vllm_clover_cpu.linear_bf16w if packed.dtype == torch.bfloat16 else torch.ops.vllm_clover_cpu.linear_f32
+    y = op(x.reshape(-1, x.shape[-1]), packed, out_features, bias)
     return y.reshape(*x.shape[:-1], out_features)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import shutdown_llm
 
@@ -125,12 +126,13 @@ def test_all_at_once_identical(runs, mode) -> None:
 
 def test_serve_default_drafts_in_bfloat16_where_the_cpu_has_it(runs, clover_ckpt_dir: Path) -> None:
     """draft_dtype "auto" (the serve default): bfloat16 products on a CPU with native
-    bfloat16 matmuls (the outputs above stay identical), float32 elsewhere; and the shipped
-    heads still get drafts accepted at their usual rate with them."""
-    from vllm_clover.cpu_linear import native_bf16_matmul
+    bfloat16 matmuls or the float32 linear kernel (bfloat16 weights; the outputs above stay
+    identical), float32 elsewhere; and the shipped heads still get drafts accepted at their
+    usual rate with them."""
+    from vllm_clover.cpu_linear import draft_matmul_dtype
     from vllm_clover.training import shipped_heads_dir
 
-    expected = "bfloat16" if native_bf16_matmul() else "float32"
+    expected = str(draft_matmul_dtype("auto", torch.float32)).removeprefix("torch.")
     assert runs["clover"]["drafter"] == {"matmul_dtype": expected}
     if clover_ckpt_dir.resolve() == shipped_heads_dir():
         clover = runs["clover"]

@@ -1,4 +1,5 @@
-"""oneDNN-packed drafter linears (vllm_clover/cpu_linear.py) give F.linear's results."""
+"""The drafter's packed linears (vllm_clover/cpu_linear.py: oneDNN's, or the float32 kernel's
+with float32 or bfloat16 weights) give F.linear's results."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from torch import nn
 
 from vllm_clover.config import CloverConfig
 from vllm_clover import cpu_linear
-from vllm_clover.cpu_linear import PackedLinear, onednn_available, onednn_bf16_matmul, pack_linears
+from kernels import linear_cpu
+from vllm_clover.cpu_linear import (KernelLinear, PackedLinear, drafter_product, onednn_available, onednn_bf16_matmul,
+                                    pack_linears)
 from vllm_clover.model import CloverDrafter
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="needs vLLM's CPU build with oneDNN")
 needs_bf16 = pytest.mark.skipif(not onednn_bf16_matmul(), reason="oneDNN multiplies bfloat16 with AVX-512 or AMX only")
+needs_kernel = pytest.mark.skipif(not linear_cpu.supported(), reason="the float32 linear kernel needs AVX-512 or AVX2")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -81,7 +85,7 @@ def test_packed_linear_in_bfloat16_takes_and_gives_float32(bias: bool) -> None:
 def test_packed_linear_in_bfloat16_refuses_cpus_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """AVX2-only CPUs: a clear error at load naming the option, not oneDNN's primitive error."""
     monkeypatch.setattr(cpu_linear, "onednn_bf16_matmul", lambda: False)
-    with pytest.raises(ValueError, match="AVX-512 or AMX.*draft_dtype 'auto' or 'float32'"):
+    with pytest.raises(ValueError, match="AVX-512 or AMX.*VLLM_CLOVER_CPU_LINEAR.*draft_dtype 'auto' or 'float32'"):
         PackedLinear(torch.randn(8, 4), compute_dtype=torch.bfloat16)
 
 
@@ -98,10 +102,59 @@ def test_pack_linears_in_bfloat16_stays_close() -> None:
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
 
 
-def test_draft_matmul_dtype_resolution() -> None:
-    from vllm_clover.cpu_linear import draft_matmul_dtype, native_bf16_matmul
+@needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+def test_kernel_linear_in_both_weight_dtypes(bias: bool) -> None:
+    """float32 weights: F.linear's result; bfloat16 weights: F.linear over the rounded weights
+    with float32 inputs (only the weights are rounded), bias in float32; any leading shape."""
+    torch.manual_seed(4)
+    w, b = torch.randn(96, 64), torch.randn(96) if bias else None
+    x = torch.randn(64, 2, 3).transpose(0, 2)  # [3, 2, 64], not contiguous
+    torch.testing.assert_close(KernelLinear(w, b)(x), nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    got = KernelLinear(w, b, torch.bfloat16)(x)
+    assert got.shape == (3, 2, 96) and got.dtype == torch.float32
+    torch.testing.assert_close(got, nn.functional.linear(x, w.bfloat16().float(), b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2-D weight"):
+        KernelLinear(torch.randn(3))
 
-    auto = torch.bfloat16 if native_bf16_matmul() else torch.float32
+
+@needs_kernel
+def test_drafter_product_picks_the_kernel_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 weights where the kernel runs: the kernel, bfloat16 as bfloat16 weights unless the
+    CPU multiplies bfloat16 natively (oneDNN's primitive there); kernel off or bfloat16
+    weights: oneDNN."""
+    w = torch.randn(32, 16)
+    monkeypatch.setattr(cpu_linear, "native_bf16_matmul", lambda: False)
+    assert isinstance(drafter_product(w), KernelLinear)
+    assert drafter_product(w, compute_dtype=torch.bfloat16).packed.dtype == torch.bfloat16
+    if onednn_bf16_matmul():
+        assert isinstance(drafter_product(w.bfloat16()), PackedLinear)
+        monkeypatch.setattr(cpu_linear, "native_bf16_matmul", lambda: True)
+        assert isinstance(drafter_product(w, compute_dtype=torch.bfloat16), PackedLinear)
+    monkeypatch.setenv(linear_cpu.ENV_VAR, "0")
+    assert isinstance(drafter_product(w), PackedLinear)
+
+
+@needs_kernel
+def test_pack_linears_with_bfloat16_weights_stays_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft_dtype bfloat16 through the kernel: on every CPU it builds for, AVX2 included."""
+    monkeypatch.setattr(cpu_linear, "native_bf16_matmul", lambda: False)
+    drafter = _small_drafter(seed=5, num_heads=2)
+    x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))
+    with torch.inference_mode():
+        ref = drafter.head_step(x, prev, 1)
+        pack_linears(drafter, torch.bfloat16)
+        got = drafter.head_step(x, prev, 1)
+    assert isinstance(drafter.head_proj.forward, KernelLinear)
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+def test_draft_matmul_dtype_resolution() -> None:
+    from vllm_clover.cpu_linear import draft_matmul_dtype, fp32_kernel_usable, native_bf16_matmul
+
+    auto = torch.bfloat16 if native_bf16_matmul() or fp32_kernel_usable() else torch.float32
     assert draft_matmul_dtype("auto", torch.float32) == auto
     assert draft_matmul_dtype("auto", torch.bfloat16) == torch.bfloat16  # already half the bytes
     assert draft_matmul_dtype("float32", torch.float32) == torch.float32

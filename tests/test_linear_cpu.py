@@ -45,6 +45,33 @@ def test_row_result_does_not_depend_on_the_row_count() -> None:
         assert torch.equal(linear_cpu.linear(x[i:i + 1], packed, 3072)[0], full[i]), i
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (4096, 576), (33, 17), (1, 5), (200, 64)])
+def test_bfloat16_weights_match_the_rounded_weights_product(n: int, k: int) -> None:
+    """pack_weight(W, bfloat16): W rounded to nearest-even bfloat16, then float32 products
+    and sums, so the reference is the float64 product over W.bfloat16()."""
+    torch.manual_seed(n * 7 + k)
+    w = torch.randn(n, k)
+    packed = linear_cpu.pack_weight(w, torch.bfloat16)
+    assert packed.shape == ((n + 15) // 16, k, 16) and packed.dtype == torch.bfloat16
+    for m in (1, 2, 3, 6, 7, 14, 15, 29, 241):
+        x = torch.randn(m, k)
+        y = linear_cpu.linear(x, packed, n)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), _reference(x, w.bfloat16().float()), atol=1e-4 * k ** 0.5, rtol=1e-5)
+    # and not the float32 weights' product: the bfloat16 path really ran
+    x = torch.randn(4, k)
+    assert not torch.equal(linear_cpu.linear(x, packed, n), linear_cpu.linear(x, linear_cpu.pack_weight(w), n))
+
+
+def test_bfloat16_weights_row_result_does_not_depend_on_the_row_count() -> None:
+    torch.manual_seed(4)
+    packed = linear_cpu.pack_weight(torch.randn(1000, 576), torch.bfloat16)
+    x = torch.randn(30, 576)
+    full = linear_cpu.linear(x, packed, 1000)
+    for m in (1, 3, 14, 15):
+        assert torch.equal(linear_cpu.linear(x[:m], packed, 1000), full[:m]), m
+
+
 def test_bias_leading_dims_and_strided_input() -> None:
     torch.manual_seed(1)
     w, bias = torch.randn(40, 24), torch.randn(40)
@@ -62,6 +89,10 @@ def test_refuses_wrong_inputs() -> None:
     packed = linear_cpu.pack_weight(w)
     with pytest.raises(ValueError, match="float32"):
         linear_cpu.pack_weight(w.bfloat16())
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        linear_cpu.pack_weight(w, torch.float16)
+    with pytest.raises(RuntimeError, match="linear_bf16w: packed weight must be a contiguous BFloat16"):
+        torch.ops.vllm_clover_cpu.linear_bf16w(torch.randn(2, 16), packed, 32, None)
     with pytest.raises(RuntimeError, match="float32"):
         linear_cpu.linear(torch.randn(2, 16).bfloat16(), packed, 32)
     with pytest.raises(RuntimeError, match="does not match"):

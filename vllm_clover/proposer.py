@@ -32,7 +32,7 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.spec_decode.medusa import MedusaProposer
 
 from vllm_clover.checkpoint import CloverCheckpointError
-from vllm_clover.cpu_linear import (PackedLinear, draft_matmul_dtype, onednn_available, pack_linears,
+from vllm_clover.cpu_linear import (draft_matmul_dtype, drafter_product, onednn_available, pack_linears,
                                     repack_vllm_linears)
 from vllm_clover.datastore import NgramDatastore, load_datastore
 from vllm_clover.draft_vocab import load_draft_vocab
@@ -420,8 +420,9 @@ class CloverProposer(MedusaProposer):
 
     def _build_draft_lm_head(self, target_head: nn.Module, vocab_size: int) -> Any:
         """The draft LM-head product o [B, H] -> [B, N]. On vLLM's CPU build the drafter's
-        ``nn.Linear``s and the draft-vocabulary rows are packed for oneDNN (cpu_linear.py) and
-        the full vocabulary reuses the target's own packed LM head; elsewhere plain products."""
+        ``nn.Linear``s and the draft-vocabulary rows are packed for the float32 kernel or oneDNN
+        (cpu_linear.drafter_product) and the full vocabulary reuses the target's own packed LM
+        head; elsewhere plain products."""
         aug_weights = self.model.take_aug_linear_weights()
         if not onednn_available():
             if self.draft_weight is None:
@@ -435,10 +436,12 @@ class CloverProposer(MedusaProposer):
         packed = pack_linears(self.model.drafter, compute)
         if compute is not None:
             packed += repack_vllm_linears(aug_weights, compute)
-        logger.info("vllm-clover: drafter products in %s (draft_dtype=%s), %d linears packed for oneDNN",
-                    str(self.matmul_dtype).removeprefix("torch."), self.options["draft_dtype"], packed)
-        if self.draft_weight is not None:
-            return PackedLinear(self.draft_weight, compute_dtype=compute)
+        draft_lm_head = None if self.draft_weight is None else drafter_product(self.draft_weight, compute_dtype=compute)
+        logger.info("vllm-clover: drafter products in %s (draft_dtype=%s), %d linears repacked, draft LM head: %s",
+                    str(self.matmul_dtype).removeprefix("torch."), self.options["draft_dtype"], packed,
+                    type(draft_lm_head).__name__ if draft_lm_head is not None else "the target's")
+        if draft_lm_head is not None:
+            return draft_lm_head
         method = getattr(target_head, "quant_method", None)
         if method is None or not hasattr(method, "apply"):
             return self.model.logits

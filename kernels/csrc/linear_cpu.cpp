@@ -10,6 +10,10 @@
 // loaded once per tile of up to 14 rows and used in one FMA per row, with the next vectors
 // prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
 //
+// Weights in bfloat16 (pack_bf16 / linear_bf16w; the drafter's products, option draft_dtype):
+// the same layout and tiles with 2-byte weights widened to float in registers (a bf16 is a
+// float's top half), so a pass streams half the bytes; x, the products and the sums stay float.
+//
 // Numerics: every output element is one FMA chain over k = 0..K-1 in order, started at 0,
 // whatever M, the row's position in the batch or the tile shape; a row's result is therefore
 // bit-identical in a 1-row decode step and inside a many-row verify or prefill step. That is
@@ -73,14 +77,30 @@ constexpr int cols_for_rows(int mr) {
 #endif
 constexpr int kVecFloats = kBlock / kVecs;
 
+// One packed column vector of weights as floats: float weights as they are, bfloat16 ones
+// (stored as their uint16 bits) shifted into a float's top half.
+inline Vec wload(const float* p) { return vload(p); }
+inline Vec wload(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+#else
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+#endif
+}
+
 // Address of packed column vector v (block v / kVecs, its (v % kVecs)-th part) at step k.
-inline const float* wvec(const float* wp, int64_t K, int64_t v, int64_t k) {
+template <typename W>
+inline const W* wvec(const W* wp, int64_t K, int64_t v, int64_t k) {
   return wp + ((v / kVecs) * K + k) * kBlock + (v % kVecs) * kVecFloats;
 }
 
 // One register tile: MR rows of x times CV packed column vectors, starting at vector v0.
-template <int MR, int CV>
-inline void tile(const float* x, int64_t K, const float* wp, int64_t v0, float* y, int64_t N) {
+// W: float or uint16_t (bfloat16 bits); the prefetch runs the same bytes ahead for both.
+template <int MR, int CV, typename W>
+inline void tile(const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N) {
+  constexpr int64_t prefetch = kPrefetch * static_cast<int64_t>(sizeof(float) / sizeof(W));
   Vec acc[MR][CV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -90,8 +110,8 @@ inline void tile(const float* x, int64_t K, const float* wp, int64_t v0, float* 
     Vec w[CV];
 #pragma GCC unroll 16
     for (int c = 0; c < CV; ++c) {
-      w[c] = vload(wvec(wp, K, v0 + c, k));
-      _mm_prefetch(reinterpret_cast<const char*>(wvec(wp, K, v0 + c, k + kPrefetch)), _MM_HINT_T0);
+      w[c] = wload(wvec(wp, K, v0 + c, k));
+      _mm_prefetch(reinterpret_cast<const char*>(wvec(wp, K, v0 + c, k + prefetch)), _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -116,8 +136,8 @@ inline void tile(const float* x, int64_t K, const float* wp, int64_t v0, float* 
 }
 
 // The last rem (< CV) column vectors of a row tile, as one register tile of that width.
-template <int MR, int R>
-void tile_rest(int64_t rem, const float* x, int64_t K, const float* wp, int64_t v0, float* y, int64_t N) {
+template <int MR, int R, typename W>
+void tile_rest(int64_t rem, const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N) {
   if (rem == R) {
     tile<MR, R>(x, K, wp, v0, y, N);
   } else if constexpr (R > 1) {
@@ -126,8 +146,8 @@ void tile_rest(int64_t rem, const float* x, int64_t K, const float* wp, int64_t 
 }
 
 // Column vectors [v0, v1) for one tile of MR rows, in steps of cols_for_rows(MR).
-template <int MR>
-void tile_rows(const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t v0, int64_t v1) {
+template <int MR, typename W>
+void tile_rows(const float* x, int64_t K, const W* wp, float* y, int64_t N, int64_t v0, int64_t v1) {
   constexpr int CV = cols_for_rows(MR);
   int64_t v = v0;
   for (; v + CV <= v1; v += CV) tile<MR, CV>(x, K, wp, v, y, N);
@@ -136,8 +156,8 @@ void tile_rows(const float* x, int64_t K, const float* wp, float* y, int64_t N, 
   }
 }
 
-template <int MR>
-void dispatch_rows(int64_t mr, const float* x, int64_t K, const float* wp, float* y, int64_t N, int64_t v0,
+template <int MR, typename W>
+void dispatch_rows(int64_t mr, const float* x, int64_t K, const W* wp, float* y, int64_t N, int64_t v0,
                    int64_t v1) {
   if (mr == MR) {
     tile_rows<MR>(x, K, wp, y, N, v0, v1);
@@ -146,46 +166,35 @@ void dispatch_rows(int64_t mr, const float* x, int64_t K, const float* wp, float
   }
 }
 
-void check_packed(const torch::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous(),
-              "linear_f32: packed weight must be a contiguous float32 [ceil(N/16), K, 16] tensor");
+void check_packed(const char* op, const torch::Tensor& packed, at::ScalarType dtype, int64_t n, int64_t k) {
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.dim() == 3 && packed.is_contiguous(), op,
+              ": packed weight must be a contiguous ", c10::toString(dtype), " [ceil(N/16), K, 16] tensor");
   TORCH_CHECK(packed.size(0) == (n + kBlock - 1) / kBlock && packed.size(1) == k && packed.size(2) == kBlock,
-              "linear_f32: packed weight ", packed.sizes(), " does not match N=", n, ", K=", k);
+              op, ": packed weight ", packed.sizes(), " does not match N=", n, ", K=", k);
 }
 
-}  // namespace
-
-// W [N, K] float32 -> [ceil(N/16), K, 16], zero-padded past column N.
-torch::Tensor pack_f32(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_f32: need a float32 [N, K] weight");
-  const auto w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), nb = (n + kBlock - 1) / kBlock;
-  auto out = torch::zeros({nb, k, kBlock}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// W [N, K] (contiguous, element type T) -> [ceil(N/16), K, 16], zero-padded past column N.
+template <typename T>
+void pack_blocks(const T* src, int64_t n, int64_t k, T* dst) {
+  const int64_t nb = (n + kBlock - 1) / kBlock;
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t c = 0; c < kBlock && j * kBlock + c < n; ++c)
         for (int64_t i = 0; i < k; ++i) dst[(j * k + i) * kBlock + c] = src[(j * kBlock + c) * k + i];
   });
-  return out;
 }
 
-// x [M, K] float32 (any strides; copied if not contiguous), packed from pack_f32 of W [N, K],
-// bias [N] or None -> y [M, N] float32.
-torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                         const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(),
-              "linear_f32: x must be a float32 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+// y [M, N] = x [M, K] @ W^T (+ bias) over the packed weight's elements wp (float or bf16 bits).
+template <typename W>
+torch::Tensor linear_impl(const char* op, const torch::Tensor& x, const torch::Tensor& packed, const W* wp,
+                          int64_t n, const c10::optional<torch::Tensor>& bias) {
   const auto xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1);
-  check_packed(packed, n, k);
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n), "linear_f32: bias must be [N]");
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n), op, ": bias must be [N]");
   auto y = torch::empty({m, n}, xc.options());
   if (m == 0) return y;
   const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // Column tiles of at most kColTile blocks, as many per thread (on 2 threads 576 columns
   // = 36 blocks make 6 tiles of 6, not 5 tiles of 8 split 3:2).
@@ -210,14 +219,62 @@ torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, in
   return y;
 }
 
+void check_x(const char* op, const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), op,
+              ": x must be a float32 [M, K] CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+}
+
+}  // namespace
+
+// W [N, K] float32 -> [ceil(N/16), K, 16], zero-padded past column N.
+torch::Tensor pack_f32(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "pack_f32: need a float32 [N, K] weight");
+  const auto w = weight.contiguous();
+  auto out = torch::zeros({(w.size(0) + kBlock - 1) / kBlock, w.size(1), kBlock}, w.options());
+  pack_blocks(w.data_ptr<float>(), w.size(0), w.size(1), out.data_ptr<float>());
+  return out;
+}
+
+// W [N, K] bfloat16 -> [ceil(N/16), K, 16] bfloat16, zero-padded past column N.
+torch::Tensor pack_bf16(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "pack_bf16: need a bfloat16 [N, K] weight");
+  const auto w = weight.contiguous();
+  auto out = torch::zeros({(w.size(0) + kBlock - 1) / kBlock, w.size(1), kBlock}, w.options());
+  pack_blocks(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), w.size(0), w.size(1),
+              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
+// x [M, K] float32 (any strides; copied if not contiguous), packed from pack_f32 of W [N, K],
+// bias [N] or None -> y [M, N] float32.
+torch::Tensor linear_f32(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                         const c10::optional<torch::Tensor>& bias) {
+  check_x("linear_f32", x);
+  check_packed("linear_f32", packed, at::kFloat, n, x.size(1));
+  return linear_impl("linear_f32", x, packed, packed.data_ptr<float>(), n, bias);
+}
+
+// As linear_f32 over pack_bf16's weights: float32 x, products and sums; y [M, N] float32.
+torch::Tensor linear_bf16w(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                           const c10::optional<torch::Tensor>& bias) {
+  check_x("linear_bf16w", x);
+  check_packed("linear_bf16w", packed, at::kBFloat16, n, x.size(1));
+  return linear_impl("linear_bf16w", x, packed, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                     n, bias);
+}
+
 TORCH_LIBRARY(vllm_clover_cpu, m) {
   m.def("linear_f32(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
   m.def("pack_f32(Tensor weight) -> Tensor");
+  m.def("linear_bf16w(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("pack_bf16(Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_clover_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("pack_f32", &pack_f32);
+  m.impl("linear_bf16w", &linear_bf16w);
+  m.impl("pack_bf16", &pack_bf16);
 }
 
 // Callers use the torch ops above (torch.ops.vllm_clover_cpu.*); the Python module only lets
