@@ -89,19 +89,6 @@ def test_packed_linear_in_bfloat16_refuses_cpus_without_it(monkeypatch: pytest.M
         PackedLinear(torch.randn(8, 4), compute_dtype=torch.bfloat16)
 
 
-@needs_bf16
-def test_pack_linears_in_bfloat16_stays_close() -> None:
-    drafter = _small_drafter(seed=3, num_heads=2)
-    x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))
-    with torch.inference_mode():
-        ref = drafter.head_step(x, prev, 1)
-        pack_linears(drafter, torch.bfloat16)
-        got = drafter.head_step(x, prev, 1)
-    for a, b in zip(got, ref):
-        assert a.dtype == torch.float32
-        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
-
-
 @needs_kernel
 @pytest.mark.parametrize("bias", [True, False])
 def test_kernel_linear_in_both_weight_dtypes(bias: bool) -> None:
@@ -135,17 +122,25 @@ def test_drafter_product_picks_the_kernel_where_it_runs(monkeypatch: pytest.Monk
     assert isinstance(drafter_product(w), PackedLinear)
 
 
-@needs_kernel
-def test_pack_linears_with_bfloat16_weights_stays_close(monkeypatch: pytest.MonkeyPatch) -> None:
-    """draft_dtype bfloat16 through the kernel: on every CPU it builds for, AVX2 included."""
-    monkeypatch.setattr(cpu_linear, "native_bf16_matmul", lambda: False)
-    drafter = _small_drafter(seed=5, num_heads=2)
+@pytest.mark.parametrize("path", ["onednn", "kernel"])
+def test_pack_linears_in_bfloat16_stays_close(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft_dtype bfloat16: oneDNN's bf16 products (AVX-512 or AMX CPUs, kernel off), or
+    bf16 weights in the float32 kernel (every CPU it builds for, AVX2 included)."""
+    if path == "onednn":
+        if not onednn_bf16_matmul():
+            pytest.skip("oneDNN multiplies bfloat16 with AVX-512 or AMX only")
+        monkeypatch.setenv(linear_cpu.ENV_VAR, "0")
+    else:
+        if not linear_cpu.supported():
+            pytest.skip("the float32 linear kernel needs AVX-512 or AVX2")
+        monkeypatch.setattr(cpu_linear, "native_bf16_matmul", lambda: False)
+    drafter = _small_drafter(seed=3, num_heads=2)
     x, prev = torch.randn(5, 64), torch.randint(0, 100, (5,))
     with torch.inference_mode():
         ref = drafter.head_step(x, prev, 1)
         pack_linears(drafter, torch.bfloat16)
         got = drafter.head_step(x, prev, 1)
-    assert isinstance(drafter.head_proj.forward, KernelLinear)
+    assert isinstance(drafter.head_proj.forward, PackedLinear if path == "onednn" else KernelLinear)
     for a, b in zip(got, ref):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

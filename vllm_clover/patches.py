@@ -660,9 +660,11 @@ CATALOGUE: list[Patch] = [
         target=("cpu_linear of the drafter's own vLLM linear layers (set by "
                 "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm)"),
         why=(
-            "CPU, draft_dtype bfloat16 (the default on AVX512-BF16 CPUs for float32 models): the "
-            "Augmenting-Block layers' products run over bfloat16 copies of their weights, which "
-            "halves the bytes drafting streams (cpu_linear.repack_vllm_linears). Applied per "
+            "CPU, draft_dtype bfloat16 (the default for float32 models on AVX512-BF16 or AMX CPUs and "
+            "wherever the float32 linear kernel runs, AVX2 included): the Augmenting-Block layers' "
+            "products run over bfloat16 copies of their weights (oneDNN's bf16 primitive where the "
+            "CPU multiplies bf16 natively, else the kernel's linear_bf16w), which halves the bytes "
+            "drafting streams (cpu_linear.repack_vllm_linears, drafter_product). Applied per "
             "drafter at load by the proposer, never to the target's layers; vLLM frees these "
             "weights after packing, so CloverForSpeculativeDecoding.load_weights keeps them."
         ),
