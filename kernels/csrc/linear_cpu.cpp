@@ -7,8 +7,8 @@
 // (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
 // memory and the compute bound on a 2-core AVX-512 Xeon (the default model's 30 layers: ~24-28
 // ms for 1 row, ~1.3 ms more per row) and on a 2-core AVX2 EPYC. Here each weight vector is
-// loaded once per tile of up to 14 rows and used in one FMA per row, with the next vectors
-// prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
+// loaded once per register tile of up to 14 rows (AVX2: 6, several tiles taking turns on each
+// chunk of k) and used in one FMA per row, with the next vectors prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
 //
 // Weights in bfloat16 (pack_bf16 / linear_bf16w; the drafter's products, option draft_dtype):
 // the same layout and tiles with 2-byte weights widened to float in registers (a bf16 is a
@@ -33,7 +33,6 @@ namespace {
 constexpr int64_t kBlock = 16;      // columns per packed block (one zmm, or two ymm, of floats)
 constexpr int64_t kColTile = 8;     // column blocks per parallel work item
 constexpr int64_t kRowPanel = 240;  // rows per pass over the weights (x panel stays in L2)
-constexpr int64_t kPrefetch = 24;   // k steps ahead for software prefetch of weight lines
 
 #if defined(__AVX512F__)
 // AVX-512: one zmm per packed block, 32 registers.
@@ -50,15 +49,18 @@ inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
 // row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
 constexpr int kMaxRows = 14;
+constexpr int64_t kPrefetch = 24;  // k steps ahead for software prefetch of weight lines
+constexpr int64_t kPrefetchBf16 = 48;  // the same bytes ahead for bfloat16 weights
+constexpr bool kChunkTiles = false;  // see kChunk (not measured on AVX-512: one pass over k)
 // Column vectors (= blocks) per register tile for MR rows: MR * CV accumulators + CV weight
 // vectors stay within the 32 zmm registers.
-constexpr int cols_for_rows(int mr) {
+constexpr int cols_for_rows(int64_t mr) {
   return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;  // 14 x 2 + 2 = 30
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA: two ymm per packed block (the packed layout is the same on both ISAs) and 16
-// registers; tiles are counted in vectors, so 14 rows fit as 14 accumulators over one ymm
-// column (+ 1 weight vector + 1 broadcast).
+// registers; tiles are counted in vectors: up to 6 rows x 2 vectors (12 accumulators + 2
+// weight vectors + 1 broadcast); more rows make several row tiles, run over k in chunks.
 using Vec = __m256;
 constexpr int kVecs = 2;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -66,16 +68,30 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vbroadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-constexpr int kMaxRows = 14;
+// Measured on a 2-core Zen 1 EPYC (docs/cpu-linear.md, "AVX2 tiles of 7-14 rows"): one tile of
+// up to 14 rows x 1 vector (half a packed block) against tiles of up to 6 rows x 2 vectors over
+// k chunks, prefetching 96 k steps ahead instead of 24: the default model's 121 linears at 8 /
+// 12 / 14 rows 37.9 / 48.6 / 55.4 ms -> 35.6 / 45.7 / 51.7 ms, 1 and 6 rows unchanged.
+constexpr int kMaxRows = 6;
+constexpr int64_t kPrefetch = 96;  // k steps ahead for software prefetch of weight lines
+// bfloat16 weights (the drafter's products, 1-3 rows): 96 k steps as well; 192 (the same bytes
+// ahead) made the drafter's products ~4% slower at one row.
+constexpr int64_t kPrefetchBf16 = 96;
+constexpr bool kChunkTiles = true;
 // Column vectors per register tile for MR rows: MR * CV accumulators + CV weight vectors + 1
 // broadcast within 16 (1 row: each weight is used once, so it is loaded into the FMA).
-constexpr int cols_for_rows(int mr) {
-  return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : mr <= 6 ? 2 : 1;
+constexpr int cols_for_rows(int64_t mr) {
+  return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : 2;
 }
 #else
 #error "linear_cpu.cpp needs AVX-512F, or AVX2 with FMA (kernels/linear_cpu.py passes the flags)"
 #endif
 constexpr int kVecFloats = kBlock / kVecs;
+// k steps per chunk (where kChunkTiles) when several row tiles read the same weight lines: in
+// one pass over k each tile would stream the lines from memory while doing only its share of
+// their FMAs, and the next tile read them again after the stream has moved on. In chunks, the
+// next tile finds the chunk's lines in L1/L2.
+constexpr int64_t kChunk = 128;
 
 // One packed column vector of weights as floats: float weights as they are, bfloat16 ones
 // (stored as their uint16 bits) shifted into a float's top half.
@@ -96,17 +112,31 @@ inline const W* wvec(const W* wp, int64_t K, int64_t v, int64_t k) {
   return wp + ((v / kVecs) * K + k) * kBlock + (v % kVecs) * kVecFloats;
 }
 
-// One register tile: MR rows of x times CV packed column vectors, starting at vector v0.
-// W: float or uint16_t (bfloat16 bits); the prefetch runs the same bytes ahead for both.
+// One register tile: MR rows of x times CV packed column vectors, starting at vector v0, over
+// k in [k0, k1). The accumulators start at 0 when k0 == 0, else they resume the partial sums
+// this tile stored in y for [0, k0): each output stays one in-order FMA chain over k.
+// W: float or uint16_t (bfloat16 bits).
 template <int MR, int CV, typename W>
-inline void tile(const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N) {
-  constexpr int64_t prefetch = kPrefetch * static_cast<int64_t>(sizeof(float) / sizeof(W));
+inline void tile(const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N, int64_t k0,
+                 int64_t k1) {
+  constexpr int64_t prefetch = sizeof(W) == sizeof(float) ? kPrefetch : kPrefetchBf16;
   Vec acc[MR][CV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
-    for (int c = 0; c < CV; ++c) acc[r][c] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int c = 0; c < CV; ++c) {
+      const int64_t n = (v0 + c) * kVecFloats;
+      if (k0 == 0) {
+        acc[r][c] = vzero();
+      } else if (n + kVecFloats <= N) {
+        acc[r][c] = vload(y + r * N + n);
+      } else {  // the last, partial vector: its stored columns, zeros past N
+        alignas(64) float tail[kVecFloats] = {};
+        if (n < N) std::copy(y + r * N + n, y + r * N + N, tail);
+        acc[r][c] = vload(tail);
+      }
+    }
+  for (int64_t k = k0; k < k1; ++k) {
     Vec w[CV];
 #pragma GCC unroll 16
     for (int c = 0; c < CV; ++c) {
@@ -137,32 +167,34 @@ inline void tile(const float* x, int64_t K, const W* wp, int64_t v0, float* y, i
 
 // The last rem (< CV) column vectors of a row tile, as one register tile of that width.
 template <int MR, int R, typename W>
-void tile_rest(int64_t rem, const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N) {
+void tile_rest(int64_t rem, const float* x, int64_t K, const W* wp, int64_t v0, float* y, int64_t N, int64_t k0,
+               int64_t k1) {
   if (rem == R) {
-    tile<MR, R>(x, K, wp, v0, y, N);
+    tile<MR, R>(x, K, wp, v0, y, N, k0, k1);
   } else if constexpr (R > 1) {
-    tile_rest<MR, R - 1>(rem, x, K, wp, v0, y, N);
+    tile_rest<MR, R - 1>(rem, x, K, wp, v0, y, N, k0, k1);
   }
 }
 
 // Column vectors [v0, v1) for one tile of MR rows, in steps of cols_for_rows(MR).
 template <int MR, typename W>
-void tile_rows(const float* x, int64_t K, const W* wp, float* y, int64_t N, int64_t v0, int64_t v1) {
+void tile_rows(const float* x, int64_t K, const W* wp, float* y, int64_t N, int64_t v0, int64_t v1, int64_t k0,
+               int64_t k1) {
   constexpr int CV = cols_for_rows(MR);
   int64_t v = v0;
-  for (; v + CV <= v1; v += CV) tile<MR, CV>(x, K, wp, v, y, N);
+  for (; v + CV <= v1; v += CV) tile<MR, CV>(x, K, wp, v, y, N, k0, k1);
   if constexpr (CV > 1) {
-    if (v < v1) tile_rest<MR, CV - 1>(v1 - v, x, K, wp, v, y, N);
+    if (v < v1) tile_rest<MR, CV - 1>(v1 - v, x, K, wp, v, y, N, k0, k1);
   }
 }
 
 template <int MR, typename W>
 void dispatch_rows(int64_t mr, const float* x, int64_t K, const W* wp, float* y, int64_t N, int64_t v0,
-                   int64_t v1) {
+                   int64_t v1, int64_t k0, int64_t k1) {
   if (mr == MR) {
-    tile_rows<MR>(x, K, wp, y, N, v0, v1);
+    tile_rows<MR>(x, K, wp, y, N, v0, v1, k0, k1);
   } else if constexpr (MR > 1) {
-    dispatch_rows<MR - 1>(mr, x, K, wp, y, N, v0, v1);
+    dispatch_rows<MR - 1>(mr, x, K, wp, y, N, v0, v1, k0, k1);
   }
 }
 
@@ -205,12 +237,18 @@ torch::Tensor linear_impl(const char* op, const torch::Tensor& x, const torch::T
   for (int64_t p0 = 0; p0 < m; p0 += kRowPanel) {
     const int64_t rows = std::min(kRowPanel, m - p0);
     const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, mr0 = (rows + tiles - 1) / tiles;  // even tiles
+    // One pass over k while the panel is one row tile; else (where kChunkTiles) k in chunks,
+    // every row tile taking its turn on a chunk while its weight lines are in L1/L2.
+    const int64_t kc = kChunkTiles && tiles > 1 ? kChunk : k;
     at::parallel_for(0, col_tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t j0 = t * width, j1 = std::min(nb, j0 + width);
-        for (int64_t r = p0; r < p0 + rows; r += mr0) {
-          const int64_t mr = std::min(mr0, p0 + rows - r);
-          dispatch_rows<kMaxRows>(mr, xp + r * k, k, wp, yp + r * n, n, j0 * kVecs, j1 * kVecs);
+        for (int64_t k0 = 0; k0 < k; k0 += kc) {
+          const int64_t k1 = std::min(k, k0 + kc);
+          for (int64_t r = p0; r < p0 + rows; r += mr0) {
+            const int64_t mr = std::min(mr0, p0 + rows - r);
+            dispatch_rows<kMaxRows>(mr, xp + r * k, k, wp, yp + r * n, n, j0 * kVecs, j1 * kVecs, k0, k1);
+          }
         }
       }
     });
