@@ -7,8 +7,8 @@
 // (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
 // memory and the compute bound on a 2-core AVX-512 Xeon (the default model's 30 layers: ~24-28
 // ms for 1 row, ~1.3 ms more per row) and on a 2-core AVX2 EPYC. Here each weight vector is
-// loaded once per register tile of up to 14 rows (AVX2: 6, several tiles taking turns on each
-// chunk of k) and used in one FMA per row, with the next vectors prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
+// loaded once per register tile of up to 14 rows (AVX2: 8; more rows: several tiles of 6 taking
+// turns on each chunk of k) and used in one FMA per row, with the next vectors prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
 //
 // Weights in bfloat16 (pack_bf16 / linear_bf16w; the drafter's products, option draft_dtype):
 // the same layout and tiles with 2-byte weights widened to float in registers (a bf16 is a
@@ -49,6 +49,7 @@ inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
 // row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
 constexpr int kMaxRows = 14;
+constexpr int kTileRows = 14;  // rows per tile when a panel needs several (more than kMaxRows)
 constexpr int64_t kPrefetch = 24;  // k steps ahead for software prefetch of weight lines
 constexpr int64_t kPrefetchBf16 = 48;  // the same bytes ahead for bfloat16 weights
 constexpr bool kChunkTiles = false;  // see kChunk (not measured on AVX-512: one pass over k)
@@ -59,8 +60,8 @@ constexpr int cols_for_rows(int64_t mr) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA: two ymm per packed block (the packed layout is the same on both ISAs) and 16
-// registers; tiles are counted in vectors: up to 6 rows x 2 vectors (12 accumulators + 2
-// weight vectors + 1 broadcast); more rows make several row tiles, run over k in chunks.
+// registers; tiles are counted in vectors: up to 8 rows x 2 vectors; more rows make several
+// row tiles of at most 6, run over k in chunks.
 using Vec = __m256;
 constexpr int kVecs = 2;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -68,18 +69,22 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vbroadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-// Measured on a 2-core Zen 1 EPYC (docs/cpu-linear.md, "AVX2 tiles of 7-14 rows"): one tile of
-// up to 14 rows x 1 vector (half a packed block) against tiles of up to 6 rows x 2 vectors over
-// k chunks, prefetching 96 k steps ahead instead of 24: the default model's 121 linears at 8 /
-// 12 / 14 rows 37.9 / 48.6 / 55.4 ms -> 35.6 / 45.7 / 51.7 ms, 1 and 6 rows unchanged.
-constexpr int kMaxRows = 6;
+// Up to 8 rows: one tile of 2 vectors (at 7-8 rows the compiler keeps some operands in memory);
+// more rows: several tiles of at most 6 rows x 2 vectors over k chunks. Against one tile of up
+// to 14 rows x 1 vector (half a packed block), prefetching 24 k steps ahead, on a 2-core Zen 1
+// EPYC (docs/cpu-linear.md, "AVX2 tiles of 7-14 rows"): the default model's linears at 7 / 8 /
+// 12 / 14 rows 18% / 20% / 8% / 6% faster, 1-6 rows unchanged; two tiles of 8 at 15-16 rows
+// were 9-12% slower than three of 5-6.
+constexpr int kMaxRows = 8;
+constexpr int kTileRows = 6;
 constexpr int64_t kPrefetch = 96;  // k steps ahead for software prefetch of weight lines
 // bfloat16 weights (the drafter's products, 1-3 rows): 96 k steps as well; 192 (the same bytes
 // ahead) made the drafter's products ~4% slower at one row.
 constexpr int64_t kPrefetchBf16 = 96;
 constexpr bool kChunkTiles = true;
-// Column vectors per register tile for MR rows: MR * CV accumulators + CV weight vectors + 1
-// broadcast within 16 (1 row: each weight is used once, so it is loaded into the FMA).
+// Column vectors per register tile for MR rows: up to 6 rows, MR * CV accumulators + CV weight
+// vectors + 1 broadcast within 16 (1 row: each weight is used once, so it is loaded into the
+// FMA); 7-8 rows x 2 spill to L1, and were still faster than two tiles (above).
 constexpr int cols_for_rows(int64_t mr) {
   return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : 2;
 }
@@ -236,7 +241,8 @@ torch::Tensor linear_impl(const char* op, const torch::Tensor& x, const torch::T
   const int64_t col_tiles = (nb + width - 1) / width;
   for (int64_t p0 = 0; p0 < m; p0 += kRowPanel) {
     const int64_t rows = std::min(kRowPanel, m - p0);
-    const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, mr0 = (rows + tiles - 1) / tiles;  // even tiles
+    const int64_t tiles = rows <= kMaxRows ? 1 : (rows + kTileRows - 1) / kTileRows;
+    const int64_t mr0 = (rows + tiles - 1) / tiles;  // even tiles
     // One pass over k while the panel is one row tile; else (where kChunkTiles) k in chunks,
     // every row tile taking its turn on a chunk while its weight lines are in L1/L2.
     const int64_t kc = kChunkTiles && tiles > 1 ? kChunk : k;
