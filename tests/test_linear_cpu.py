@@ -36,7 +36,7 @@ def test_matches_float64_reference(n: int, k: int) -> None:
 def test_row_result_does_not_depend_on_the_row_count(n: int, k: int) -> None:
     """Each output is one in-order FMA chain: a row gives the same bits alone, in a tree-sized
     call and in a prefill-sized one (what keeps greedy speculative decoding token-identical),
-    also where row tiles take turns on chunks of k (AVX2, more than 6 rows) and resume their
+    also where row tiles take turns on chunks of k (AVX2, more than 8 rows) and resume their
     sums from the output, a partial last vector included."""
     torch.manual_seed(0)
     w = torch.randn(n, k)

@@ -8,7 +8,8 @@
 // memory and the compute bound on a 2-core AVX-512 Xeon (the default model's 30 layers: ~24-28
 // ms for 1 row, ~1.3 ms more per row) and on a 2-core AVX2 EPYC. Here each weight vector is
 // loaded once per register tile of up to 14 rows (AVX2: 8; more rows: several tiles of 6 taking
-// turns on each chunk of k) and used in one FMA per row, with the next vectors prefetched. Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
+// turns on each chunk of k) and used in one FMA per row, with the next vectors prefetched.
+// Built for AVX-512 or for AVX2 + FMA (kernels/linear_cpu.py picks the flags).
 //
 // Weights in bfloat16 (pack_bf16 / linear_bf16w; the drafter's products, option draft_dtype):
 // the same layout and tiles with 2-byte weights widened to float in registers (a bf16 is a
