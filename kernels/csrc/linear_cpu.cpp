@@ -56,7 +56,7 @@ constexpr int64_t kPrefetchBf16 = 48;  // the same bytes ahead for bfloat16 weig
 constexpr bool kChunkTiles = false;  // see kChunk (not measured on AVX-512: one pass over k)
 // Column vectors (= blocks) per register tile for MR rows: MR * CV accumulators + CV weight
 // vectors stay within the 32 zmm registers.
-constexpr int cols_for_rows(int64_t mr) {
+constexpr int cols_for_rows(int mr) {
   return mr <= 2 ? 8 : mr <= 4 ? 6 : mr <= 6 ? 4 : mr <= 8 ? 3 : 2;  // 14 x 2 + 2 = 30
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -74,7 +74,7 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 // more rows: several tiles of at most 6 rows x 2 vectors over k chunks. Against one tile of up
 // to 14 rows x 1 vector (half a packed block), prefetching 24 k steps ahead, on a 2-core Zen 1
 // EPYC (docs/cpu-linear.md, "AVX2 tiles of 7-14 rows"): the default model's linears at 7 / 8 /
-// 12 / 14 rows 18% / 20% / 8% / 6% faster, 1-6 rows unchanged; two tiles of 8 at 15-16 rows
+// 12 / 14 rows 26% / 19% / 8% / 8% faster, 1-6 rows unchanged; two tiles of 8 at 15-16 rows
 // were 9-12% slower than three of 5-6.
 constexpr int kMaxRows = 8;
 constexpr int kTileRows = 6;
@@ -86,7 +86,7 @@ constexpr bool kChunkTiles = true;
 // Column vectors per register tile for MR rows: up to 6 rows, MR * CV accumulators + CV weight
 // vectors + 1 broadcast within 16 (1 row: each weight is used once, so it is loaded into the
 // FMA); 7-8 rows x 2 spill to L1, and were still faster than two tiles (above).
-constexpr int cols_for_rows(int64_t mr) {
+constexpr int cols_for_rows(int mr) {
   return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : 2;
 }
 #else
