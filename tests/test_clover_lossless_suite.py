@@ -51,7 +51,7 @@ def _spec_config(ckpt: Path, tree: bool = False) -> dict:
     from vllm_clover.cli import shipped_serve_options
     from vllm_clover.draft_vocab import DRAFT_VOCAB_FILE
 
-    options = dict(shipped_serve_options())  # this CPU's: chain2, or small_4 with AVX-512
+    options = dict(shipped_serve_options())  # this CPU's: chain1 + 5 lookup tokens on AVX2, small_5 + 8 on AVX-512
     if not (ckpt / DRAFT_VOCAB_FILE).is_file():
         options.pop("draft_vocab_size")
     if not (ckpt / options["datastore"]).is_file():  # a fallback drafter ships no datastore

@@ -49,16 +49,16 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 
 
 # Clover settings `vllm-clover serve` uses with the shipped heads on the default model
-# (chosen by `vllm-clover bench`, README "Results"). CPU: Clover's chain of 2 as a tree with 5
-# prompt-lookup tokens grafted in (8 verify tokens at batch 1, nearly free there), the 4,096-
-# token draft vocabulary, no drafts from 3 running requests; where the request repeats no
-# n-gram, the shipped n-gram datastore fills the lookup's slots while its next token is at
-# least 20% likely (datastore_min_confidence's default). The fastest at batch 1: ahead of
-# the same without the datastore on average in 2 runs on 2 machines (3 of their 4 repeats).
-# With the float32 linear kernel on a 2-core Zen 1 EPYC (AVX2): 1.41x and 1.37x vanilla on two
-# sets of 10 MT-Bench prompts, level with chain2 + 3 lookup tokens / 6 rows (1.46x, 1.37x), ahead
-# of small_3 + 2 / 6 (1.26x) (README "Latest: the float32 linear kernel on AVX2 CPUs").
-SHIPPED_SERVE_OPTIONS = {"tree": "chain2", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
+# (chosen by `vllm-clover bench`, README "Results"). CPU without AVX-512 (AVX2): head 0's
+# draft as a one-node tree with 5 prompt-lookup tokens grafted in (at most 7 verify tokens at
+# batch 1: the float32 linear kernel charges 1-7 rows about what 1 costs, 8 rows ~7 ms more,
+# docs/cpu-linear.md), the 4,096-token draft vocabulary, no drafts from 3 running requests;
+# where the request repeats no n-gram, the shipped n-gram datastore fills the lookup's slots
+# while its next token is at least 20% likely (datastore_min_confidence's default).
+# On a 2-core Zen 1 EPYC (AVX2), float32, 10 MT-Bench prompts: 1.90x vanilla (2.14, 1.70)
+# against 1.73x (1.81, 1.66) for chain2 + 5 (8 rows) in the same run, 2.24 against 2.31
+# tokens per step (README "Latest: one head draft and five lookup tokens on AVX2").
+SHIPPED_SERVE_OPTIONS = {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                          "datastore": "datastore.npz", "disable_by_batch_size": 3}
 # CPUs with AVX-512, where verify rows are nearly free (cpu_env.cheap_verify_rows): the top-2
 # first tokens, each with its top-1 child, + 5 lookup tokens, 10 verify tokens per request.
