@@ -51,13 +51,15 @@ def _has_flag(args: list[str], *flags: str) -> bool:
 # Clover settings `vllm-clover serve` uses with the shipped heads on the default model
 # (chosen by `vllm-clover bench`, README "Results"). CPU without AVX-512 (AVX2): head 0's
 # draft as a one-node tree with 5 prompt-lookup tokens grafted in (at most 7 verify tokens at
-# batch 1: the float32 linear kernel charges 1-7 rows about what 1 costs, 8 rows ~7 ms more,
-# docs/cpu-linear.md), the 4,096-token draft vocabulary, no drafts from 3 running requests;
-# where the request repeats no n-gram, the shipped n-gram datastore fills the lookup's slots
-# while its next token is at least 20% likely (datastore_min_confidence's default).
-# On a 2-core Zen 1 EPYC (AVX2), float32, 10 MT-Bench prompts: 1.90x vanilla (2.14, 1.70)
-# against 1.73x (1.81, 1.66) for chain2 + 5 (8 rows) in the same run, 2.24 against 2.31
-# tokens per step (README "Latest: one head draft and five lookup tokens on AVX2").
+# batch 1: the float32 linear kernel runs the default model's linears in 29-35 ms at 1-7 rows
+# and 41 ms at 8, docs/cpu-linear.md), the 4,096-token draft vocabulary, no drafts from 3
+# running requests; where the request repeats no n-gram, the shipped n-gram datastore fills
+# the lookup's slots while its next token is at least 20% likely (datastore_min_confidence's
+# default).
+# On a 2-core Zen 1 EPYC (AVX2), float32, 10 MT-Bench prompts, two runs: 1.90x and 1.66x
+# vanilla against 1.73x and 1.52x for chain2 + 5 (8 rows) in the same runs, ahead in all 5
+# paired repeats, 2.24 against 2.31 tokens per step (README "Latest: one head draft and five
+# lookup tokens on AVX2").
 SHIPPED_SERVE_OPTIONS = {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                          "datastore": "datastore.npz", "disable_by_batch_size": 3}
 # CPUs with AVX-512, where verify rows are nearly free (cpu_env.cheap_verify_rows): the top-2
