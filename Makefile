@@ -12,7 +12,7 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
-SOURCES := setup.py Makefile vllm_clover_dist_alias.pth vllm_clover_dist_alias.py $(wildcard vllm_clover/*.py vllm_clover/*/*.py vllm_clover/heads/*/* kernels/*.py kernels/csrc/*.cpp benchmarks/*.py)
+SOURCES := setup.py Makefile vllm_clover_dist_alias.pth vllm_clover_dist_alias.py $(shell find vllm_clover -type f -not -path "*/__pycache__/*")
 
 .PHONY: venv serve test model clean
 

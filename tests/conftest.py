@@ -35,11 +35,11 @@ def _import_kernels_interpreted() -> None:
     """Without a GPU, import Triton and ``kernels`` with ``TRITON_INTERPRET=1``, then restore
     the environment. Why: Triton decides when a ``@triton.jit`` function is defined whether
     it is interpreted, for its own language functions (``tl.zeros``, ... at ``import triton``)
-    and for ours (at ``import kernels``); a test module collected before tests/test_kernels.py
-    that imports vLLM's ops (tests/test_cpu_linear.py) imports Triton, and the interpreted
+    and for ours (at ``import kernels``); a test module collected before tests/unit/kernels/test_triton_kernels.py
+    that imports vLLM's ops (tests/unit/cpu/test_linear.py) imports Triton, and the interpreted
     kernels then failed with "Cannot call @triton.jit'd outside of the scope of a kernel".
     So this runs before any test module is collected. The variable itself must not leak into
-    vLLM subprocesses; tests/test_kernels.py sets it again while its kernels run."""
+    vLLM subprocesses; tests/unit/kernels/test_triton_kernels.py sets it again while its kernels run."""
     import torch
 
     if torch.cuda.is_available() or "triton" in sys.modules:
@@ -47,7 +47,7 @@ def _import_kernels_interpreted() -> None:
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import kernels  # noqa: F401  (imports Triton too, where it is installed)
+        from vllm_clover import kernels  # noqa: F401  (imports Triton too, where it is installed)
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
@@ -114,7 +114,7 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Pat
 @pytest.fixture(scope="module")
 def convs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Eight short synthetic chats with repetitive answers (ids never in the held-out split)."""
-    from vllm_clover.data import Conversation, save_conversations
+    from vllm_clover.training.data import Conversation, save_conversations
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     convs = []
@@ -157,9 +157,9 @@ def clover_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     import transformers
 
     import vllm_clover
-    from vllm_clover.checkpoint import CloverCheckpointError, save_drafter, validate_checkpoint
-    from vllm_clover.config import CloverConfig
-    from vllm_clover.model import build_drafter
+    from vllm_clover.model.checkpoint import CloverCheckpointError, save_drafter, validate_checkpoint
+    from vllm_clover.model.config import CloverConfig
+    from vllm_clover.model.drafter import build_drafter
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     for cfg_file in sorted((Path(vllm_clover.__file__).parent / "heads").glob("*/config.json")):
@@ -202,7 +202,7 @@ def sensitize_drafter(drafter, trunk_scale: float = 60.0, head_scale: float = 15
     return drafter
 
 
-# Prompt the sensitized drafter's heads are fitted to (tests/test_clover_e2e.py samples it).
+# Prompt the sensitized drafter's heads are fitted to (tests/e2e/test_clover.py samples it).
 FIT_PROMPT = "Once upon a time there was a"
 
 
@@ -219,7 +219,7 @@ def fit_heads_to_prompt(drafter, hf, tokenizer, prompt: str = FIT_PROMPT, sample
     """
     import torch
 
-    from vllm_clover.features import prenorm_hidden
+    from vllm_clover.training.features import prenorm_hidden
 
     def solve(a, b):
         a1 = torch.cat([a, torch.ones(a.shape[0], 1)], 1).double()
@@ -261,9 +261,9 @@ def sensitive_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPat
     import torch
     import transformers
 
-    from vllm_clover.checkpoint import save_drafter
-    from vllm_clover.config import CloverConfig
-    from vllm_clover.model import build_drafter
+    from vllm_clover.model.checkpoint import save_drafter
+    from vllm_clover.model.config import CloverConfig
+    from vllm_clover.model.drafter import build_drafter
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)

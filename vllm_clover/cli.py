@@ -13,9 +13,9 @@ Subcommands:
                   (Clover, Medusa or EAGLE checkpoints)
   convert         convert an official Clover-2 checkpoint into this plugin's format
   build-datastore build the n-gram datastore of retrieval drafts for a target's tokenizer
-                  (the ``datastore`` option; vllm_clover/datastore.py)
+                  (the ``datastore`` option; vllm_clover/drafting/datastore.py)
   bench           side-by-side benchmark of vanilla / ngram / medusa / eagle / clover
-                  (``vllm-clover bench --help``; code in benchmarks/bench.py)
+                  (``vllm-clover bench --help``; code in vllm_clover/benchmarks/bench.py)
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from vllm_clover import cpu_env
-
+from vllm_clover.cpu import env as cpu_env
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
@@ -68,7 +67,7 @@ SHIPPED_SERVE_OPTIONS = {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_voc
 # Measured ahead of chain2 in every repeat compiled (README "A larger tree when rows are free").
 SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
 # float32 on CPUs with AVX-512 while the float32 linear kernel runs the target's linears
-# (kernels/linear_cpu.py; not with VLLM_CLOVER_CPU_LINEAR=0): 14 rows fit its register tile
+# (vllm_clover/kernels/linear_cpu.py; not with VLLM_CLOVER_CPU_LINEAR=0): 14 rows fit its register tile
 # and a verified row costs ~0.8 ms (docs/cpu-linear.md), so the top-3 first tokens, top-1
 # children under the first two (`small_5`) and 8 lookup tokens, 14 verify tokens at most.
 # 1.83x vanilla float32 (1.81, 1.92, 1.77) and 2.77 tokens per step on 20 MT-Bench prompts,
@@ -101,7 +100,7 @@ def shipped_serve_options(dtype: str | None = None) -> dict:
         return SHIPPED_SERVE_OPTIONS_AMX_BF16
     if not cpu_env.cheap_verify_rows():
         return SHIPPED_SERVE_OPTIONS
-    from kernels import linear_cpu  # here: importing it imports torch, which the CLI's start does not need
+    from vllm_clover.kernels import linear_cpu  # here: importing it imports torch, which the CLI's start does not need
 
     if dtype in (None, "auto", "float32", "float") and linear_cpu.enabled():
         return SHIPPED_SERVE_OPTIONS_AVX512_FP32
@@ -133,7 +132,7 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover
     """
     if model is None:
         from vllm_clover.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-        from vllm_clover.training import shipped_heads_dir
+        from vllm_clover.training.train import shipped_heads_dir
 
         model = str(ensure_default_model())
         if not _has_flag(extra, "--served-model-name"):
@@ -175,7 +174,6 @@ def _cmd_prepare_model(args: argparse.Namespace, extra: list[str]) -> None:
 
 def _cmd_patches(args: argparse.Namespace, extra: list[str]) -> None:
     from vllm_clover import patches
-
     print(patches.describe())
 
 
@@ -189,7 +187,7 @@ def resolve_compute_dtype(choice: str, device: str = "cpu") -> str:
 
 
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
-    from vllm_clover.training import TrainArgs, train
+    from vllm_clover.training.train import TrainArgs, train
 
     # --num-layers means Aug layers (clover, 2), ResBlocks per head (medusa, 1) or decoder
     # layers (eagle, 1); the defaults are the papers'.
@@ -219,7 +217,7 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
 
 
 def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
-    from vllm_clover.evaluate import EvalArgs, evaluate, format_report
+    from vllm_clover.training.evaluate import EvalArgs, evaluate, format_report
 
     report = evaluate(EvalArgs(heads=args.heads, target=args.target, data=args.data, k=args.k,
                                max_len=args.max_len, threads=args.threads, json_path=args.json,
@@ -233,7 +231,7 @@ def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
 def _cmd_convert(args: argparse.Namespace, extra: list[str]) -> None:
     import torch
 
-    from vllm_clover.checkpoint import convert_official
+    from vllm_clover.model.checkpoint import convert_official
 
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "keep": None}[args.dtype]
@@ -247,7 +245,7 @@ def _cmd_build_datastore(args: argparse.Namespace, extra: list[str]) -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from vllm_clover.datastore import build_datastore, corpus_answers, save_datastore
+    from vllm_clover.drafting.datastore import build_datastore, corpus_answers, save_datastore
     from vllm_clover.default_model import ensure_default_model
 
     target = args.target or str(ensure_default_model())
@@ -404,8 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "vllm":
         _vllm_main(argv[1:])
         return
-    if argv and argv[0] == "bench":  # its own parser: benchmarks/bench.py
-        from benchmarks.bench import main as bench_main
+    if argv and argv[0] == "bench":  # its own parser: vllm_clover/benchmarks/bench.py
+        from vllm_clover.benchmarks.bench import main as bench_main
 
         bench_main(argv[1:])
         return

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 from vllm_clover import PINNED_VLLM_VERSION
-
 logger = logging.getLogger("vllm_clover")
 
 _registered = False
@@ -52,7 +51,6 @@ def register() -> None:
         return
     check_vllm_version()
     from vllm_clover import patches
-
     patches.apply_all()  # the CPU environment first: before vLLM spawns any process
     _registered = True
     logger.debug("vllm-clover registered (vLLM %s)", installed_vllm_version())

@@ -1,0 +1,157 @@
+"""Reduced draft vocabulary (vllm_clover/model/draft_vocab.py): ranking, file round trip, one-line
+errors, the ``draft_vocab_size`` option at start-up, and (slow) Clover in vLLM with it:
+greedy output still the target's, drafts only from the subset, sampling still runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from vllm_clover.model.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocabError, load_draft_vocab, save_draft_vocab,
+                                     subset_logits_fn, token_ranking)
+from vllm_clover.engine.frontend import CloverSpecError
+
+
+def _feature_files(tmp_path: Path, seqs: list[tuple[list[int], list[int]]]) -> SimpleNamespace:
+    files = []
+    for i, (ids, mask) in enumerate(seqs):
+        path = tmp_path / f"part{i}.safetensors"
+        save_file({"input_ids": np.array(ids, dtype=np.int32), "loss_mask": np.array(mask, dtype=np.uint8)},
+                  str(path))
+        files.append(path)
+    return SimpleNamespace(files=files)
+
+
+def test_ranking_puts_response_tokens_first(tmp_path) -> None:
+    # token 5: 3x in responses; 7: 2x in responses, 4: 4x but only in prompts; 1: 1x prompt.
+    ds = _feature_files(tmp_path, [([4, 4, 5, 7, 5], [0, 0, 1, 1, 1]), ([4, 4, 1, 5, 7], [0, 0, 0, 1, 1])])
+    ranking = token_ranking(ds, vocab_size=10)
+    assert ranking[:4].tolist() == [5, 7, 4, 1]
+    assert sorted(ranking.tolist()) == list(range(10))  # every id exactly once; rest by id
+    assert ranking[4:].tolist() == [0, 2, 3, 6, 8, 9]
+
+
+def test_file_round_trip_and_errors(tmp_path) -> None:
+    save_draft_vocab(tmp_path, torch.tensor([5, 7, 4, 1, 0]), "unit test")
+    assert load_draft_vocab(tmp_path, 3, vocab_size=10).tolist() == [5, 7, 4]
+    with pytest.raises(DraftVocabError, match="holds 5 token ids; draft_vocab_size=6 is too large"):
+        load_draft_vocab(tmp_path, 6, vocab_size=10)
+    with pytest.raises(DraftVocabError, match="outside the target vocabulary"):
+        load_draft_vocab(tmp_path, 2, vocab_size=6)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text('{"token_ids": [1, 1, 2]}')
+    with pytest.raises(DraftVocabError, match="repeats token ids"):
+        load_draft_vocab(tmp_path, 2, vocab_size=10)
+    (tmp_path / DRAFT_VOCAB_FILE).write_text("{not json")
+    with pytest.raises(DraftVocabError, match="is not a draft vocabulary file"):
+        load_draft_vocab(tmp_path, 2, vocab_size=10)
+    with pytest.raises(DraftVocabError, match="does not exist"):
+        load_draft_vocab(tmp_path / "nowhere", 2, vocab_size=10)
+
+
+def test_subset_logits_equal_full_logits_on_the_subset() -> None:
+    torch.manual_seed(0)
+    weight, h = torch.randn(50, 8), torch.randn(3, 8)
+    ids = torch.tensor([3, 17, 42, 0])
+    got = subset_logits_fn(weight, ids)(h)
+    full = h @ weight.T
+    assert got.shape == (3, 50)
+    torch.testing.assert_close(got[:, ids], full[:, ids])
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(got[:, outside]).all()
+    assert torch.isin(got.argmax(-1), ids).all()
+
+
+# ============================================================================ start-up option
+@pytest.fixture
+def ckpt_with_vocab(clover_ckpt_dir: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(clover_ckpt_dir, dst)
+    save_draft_vocab(dst, torch.arange(2000), "unit test")
+    return dst
+
+
+def _translate(model_dir: Path, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=512, speculative_config=spec)
+    return args.create_engine_config()
+
+
+def test_option_is_validated_and_passed_to_the_workers(default_model_dir, ckpt_with_vocab) -> None:
+    config = _translate(default_model_dir, {"method": "clover", "model": str(ckpt_with_vocab),
+                                            "draft_vocab_size": 1024})
+    assert config.additional_config["clover"]["draft_vocab_size"] == 1024
+
+
+@pytest.mark.parametrize("value, needle", [
+    (-1, "draft_vocab_size must be an integer >= 0"),
+    ("big", "draft_vocab_size must be an integer >= 0"),
+    (4096, "holds 2000 token ids; draft_vocab_size=4096 is too large"),
+])
+def test_bad_option_is_one_line(default_model_dir, ckpt_with_vocab, value, needle) -> None:
+    with pytest.raises(CloverSpecError) as excinfo:
+        _translate(default_model_dir, {"method": "clover", "model": str(ckpt_with_vocab), "draft_vocab_size": value})
+    assert needle in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_missing_file_is_one_line(default_model_dir, ckpt_with_vocab) -> None:
+    (ckpt_with_vocab / DRAFT_VOCAB_FILE).unlink()
+    with pytest.raises(CloverSpecError, match="draft_vocab.json, which does not exist"):
+        _translate(default_model_dir, {"method": "clover", "model": str(ckpt_with_vocab), "draft_vocab_size": 64})
+
+
+# ============================================================================ inside vLLM
+@pytest.mark.slow
+def test_clover_with_draft_vocab_in_vllm(default_model_dir, sensitive_ckpt_dir, tmp_path) -> None:
+    """Greedy output equals HF float32 greedy, every recorded draft lies in the subset, drafts
+    are accepted (the subset holds the fitted prompt's tokens), and T>0 sampling runs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from tests.conftest import E2E_LLM_KWARGS, FIT_PROMPT, shutdown_llm
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sensitive_ckpt_dir, ckpt)
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    prompts = [FIT_PROMPT, "The capital of France is", "def fibonacci(n):"]
+    want = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        want.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                do_sample=False)[0, ids.shape[1]:].tolist())
+    # Subset: the tokens of the greedy continuations first (so drafts can be accepted), then ids.
+    wanted = list(dict.fromkeys(t for w in want for t in w))
+    ranking = torch.tensor(wanted + [i for i in range(hf.config.vocab_size) if i not in set(wanted)][:2048])
+    save_draft_vocab(ckpt, ranking, "test")
+    subset = set(ranking[:256].tolist())
+
+    llm = LLM(model=str(default_model_dir), disable_log_stats=False,
+              worker_extension_cls="vllm_clover.engine.runner_hooks.CloverWorkerExtension",
+              speculative_config={"method": "clover", "model": str(ckpt), "num_speculative_tokens": 3,
+                                  "draft_vocab_size": 256}, **E2E_LLM_KWARGS)
+    try:
+        llm.collective_rpc("clover_record_drafts")
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+        drafts = [d for rec in llm.collective_rpc("clover_take_drafts") for _, _, d in rec]
+        accepted = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}.get("vllm:spec_decode_num_accepted_tokens", 0)
+        sampled = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=1),
+                               use_tqdm=False)
+        timing = llm.collective_rpc("clover_timing")[0]  # what vllm_clover/benchmarks/bench.py reads
+    finally:
+        shutdown_llm(llm)
+    for out, w in zip(outs, want):
+        got = list(out.outputs[0].token_ids)
+        assert got == w[:len(got)] and len(got) >= min(len(w), 8), (got, w)
+    assert drafts and all(t in subset for d in drafts for t in d)
+    assert accepted > 0
+    assert all(len(o.outputs[0].token_ids) > 0 for o in sampled)
+    assert timing["calls"] >= len(drafts) / len(prompts) and timing["draft_s"] > 0, timing

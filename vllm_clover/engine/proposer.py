@@ -1,0 +1,511 @@
+"""``CloverProposer``: Clover chain drafting inside vLLM's V1 model runner.
+
+The runner hooks (vllm_clover/engine/runner_hooks.py) install it in place of vLLM's
+``MedusaProposer`` and route ``propose_draft_token_ids`` to :meth:`propose_clover`,
+which runs once per engine step, after the target forward, the rejection sampler and
+the runner's bookkeeping (medusa timing), with:
+
+* ``aux_hidden_states[0]`` [N, H]: the target's last-layer residual stream before its
+  final norm (Clover's x_t) for all N scheduled rows (prefill chunks and verified drafts);
+* the runner's persistent batch, whose ``token_ids_cpu`` already holds every committed
+  token, including the ones just accepted / sampled.
+
+Per step: (1) the trunk runs over all N rows with the EAGLE shift, y[t] = the token at
+position(t)+1 of t's request, writing the Augmenting-Block KV cache through vLLM's paged
+attention (same blocks and slots as the target); (2) the heads draft K tokens for every
+request at once from z at its last accepted row. See docs/design-proposer.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.v1.spec_decode.medusa import MedusaProposer
+
+from vllm_clover.model.checkpoint import CloverCheckpointError
+from vllm_clover.cpu.linear import (draft_matmul_dtype, drafter_product, onednn_available, pack_linears,
+                                    repack_vllm_linears)
+from vllm_clover.drafting.datastore import NgramDatastore, load_datastore
+from vllm_clover.model.draft_vocab import load_draft_vocab
+from vllm_clover.engine.frontend import DYNAMIC, clover_options
+from vllm_clover.drafting.lookup import graft_retrieval, retrieval_chain
+from vllm_clover.drafting.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
+from vllm_clover.engine.tree_verify import (GREEDY_TEMPERATURE, TreeStep, chain_only_reason, select_tree, spine,
+                                     trunk_view)
+from vllm_clover.engine.vllm_model import CloverForSpeculativeDecoding
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
+                 query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """EAGLE-shifted trunk tokens and per-request gather indices (CPU, no Python loop).
+
+    token_ids [R, L]: the persistent batch's committed tokens (row i = request i);
+    num_tokens [B]: committed tokens per request (prompt + outputs, drafts excluded);
+    positions [N]: position of each scheduled row; query_start_loc [B+1].
+
+    Returns
+      y [N] long: the token at position+1 of the row's request, i.e. the next input
+        token within a chunk, the newly sampled token at the last accepted row, the next
+        prompt token for a partial prefill; 0 for rows past the last accepted one
+        (rejected drafts: their trunk KV is rewritten next step, when vLLM rolls back).
+      last [B] long: index of each request's last accepted row (head-0 input);
+      first [B] long: each request's last committed token (y at that row).
+    """
+    b = query_start_loc.numel() - 1
+    starts, ends = query_start_loc[:-1].long(), query_start_loc[1:].long()
+    num_tokens = num_tokens[:b].long()
+    positions = positions.long()
+    row_req = torch.repeat_interleave(torch.arange(b), ends - starts)
+    nxt = positions + 1
+    valid = nxt < num_tokens[row_req]
+    y = token_ids[row_req, nxt.clamp(max=token_ids.shape[1] - 1)].long()
+    y = torch.where(valid, y, torch.zeros_like(y))
+    # The row at position num_tokens-2 is the last one whose successor is committed;
+    # partial prefills (successor still a prompt token past the chunk) use their last row.
+    last = starts + (num_tokens - 2 - positions[starts])
+    last = torch.minimum(torch.maximum(last, starts), ends - 1)
+    first = token_ids[torch.arange(b), (num_tokens - 1).clamp(min=0)].long()
+    return y, last, first
+
+
+class CloverProposer(MedusaProposer):
+    """Clover drafter for the medusa slot of vLLM's V1 ``GPUModelRunner`` (and CPU runner).
+
+    Subclassing MedusaProposer keeps every ``isinstance(drafter, MedusaProposer)`` check
+    and the medusa timing (after bookkeeping, CPU token lists) of the runner.
+    """
+
+    is_clover = True  # what runner_hooks tests (no import of this module needed there)
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.options = clover_options(vllm_config)
+        self.model: CloverForSpeculativeDecoding | None = None
+        self._layer_names: set[str] = set()
+        # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
+        self.draft_ids: Tensor | None = None
+        self.draft_weight: Tensor | None = None
+        # The LM-head product over the draft vocabulary ([B, H] -> [B, N]): the target's own
+        # (packed on CPU) for the full vocabulary, a packed or plain product over draft_weight.
+        self._draft_lm_head: Any = None
+        # dtype of the drafter's packed products on CPU (draft_dtype option; else the model's).
+        self.matmul_dtype: torch.dtype = self.dtype
+        # Wall time of propose_clover (CloverWorkerExtension.clover_timing). On a GPU the
+        # clock stops after a synchronize only when VLLM_CLOVER_PROFILE=1 (it stalls the stream).
+        self.timing = {"draft_s": 0.0, "calls": 0}
+        self._sync = os.environ.get("VLLM_CLOVER_PROFILE") == "1" and torch.device(device).type == "cuda"
+        # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
+        # None = off; else a list of (req_id, committed token ids, draft token ids).
+        self.records: list[tuple[str, list[int], list[int]]] | None = None
+        # With records on, tree steps also log (req_id, committed ids, node tokens, parents).
+        self.tree_records: list[tuple[str, list[int], list[int], tuple[int, ...]]] = []
+        # Tree mode (tree_verify.py): the configured tree, and per request the tokens and
+        # parent pointers of the tree drafted last, read when its drafts come back scheduled.
+        paths = self.options.get("tree")
+        self.tree: StaticTree | str | None = (
+            DYNAMIC if paths == DYNAMIC else StaticTree(paths, self.options.get("tree_name", "custom"))
+            if paths else None)
+        self.tree_drafts: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        # Retrieval drafts where the prompt lookup finds nothing (datastore.py), or None.
+        self.datastore: NgramDatastore | None = None
+
+    # ------------------------------------------------------------------ loading
+    def load_model(self, target_model: nn.Module) -> None:
+        """Load the drafter, bind the target's lm_head (E = lm_head weight, as the
+        official code), and ask the target for its pre-final-norm residual stream."""
+        super().load_model(target_model)  # get_model() on the draft ModelConfig
+        if not isinstance(self.model, CloverForSpeculativeDecoding):
+            raise CloverCheckpointError(
+                f"draft model is {type(self.model).__name__}, expected CloverForSpeculativeDecoding")
+        cfg = self.model.config
+        target_cfg = self.vllm_config.model_config.hf_text_config
+        problem = cfg.target_mismatch(target_cfg)
+        if problem:
+            raise CloverCheckpointError(f"Clover checkpoint {self.spec_config.model} {problem}")
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise NotImplementedError("vllm-clover: tensor_parallel_size > 1 is not supported yet")
+        if not supports_eagle3(target_model):
+            raise CloverCheckpointError(
+                f"target {type(target_model).__name__} cannot return its pre-norm hidden states "
+                "(no SupportsEagle3 interface), which Clover needs")
+        head = getattr(target_model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if weight is None or weight.shape[0] < cfg.vocab_size or weight.shape[1] != cfg.hidden_size:
+            raise CloverCheckpointError(
+                f"target lm_head weight {None if weight is None else tuple(weight.shape)} does not "
+                f"fit the Clover checkpoint (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
+        # ParallelLMHead pads the vocabulary; Clover's E and LMHead are the real rows.
+        self.model.bind_target(weight[: cfg.vocab_size])
+        if self.options["draft_vocab_size"]:
+            ids = load_draft_vocab(self.options["checkpoint"], self.options["draft_vocab_size"], cfg.vocab_size)
+            self.draft_ids = ids.to(weight.device)
+            self.draft_weight = weight[self.draft_ids].contiguous()
+        self._draft_lm_head = self._build_draft_lm_head(head, cfg.vocab_size)
+        # Read by the runner's _setup_eagle3_aux_hidden_state_outputs right after this:
+        # aux index num_layers = hidden + residual after the last layer = x_t.
+        self.spec_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = [
+            target_cfg.num_hidden_layers]
+        self._layer_names = set(self.model.attn_layer_names)
+        for module in self.model.modules():
+            if getattr(module, "layer_name", None) in self._layer_names:
+                module.clover_trunk = True  # tree_verify's attention hook leaves these alone
+        if self.tree is not None:
+            self._check_tree_support(target_model)
+        if self.options.get("datastore"):
+            self.datastore = load_datastore(self.options["datastore"], cfg.vocab_size)
+
+    def _check_tree_support(self, target_model: nn.Module) -> None:
+        """Refuse at start-up what tree verification cannot do right: an attention backend
+        without the tree hook, a CPU KV layout our views do not read, full CUDA graphs; and
+        build the CPU tree-attention kernel before serving (its build errors surface here)."""
+        _check_tree_attention_backends(target_model)
+        device = torch.device(self.device).type
+        if device == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            from vllm_clover.engine.tree_verify import check_cpu_kv_layout
+
+            mc = self.vllm_config.model_config
+            block_size = self.vllm_config.cache_config.block_size
+            isa = _get_attn_isa(mc.dtype, block_size, mc.get_head_size(), self.vllm_config.cache_config.cache_dtype)
+            check_cpu_kv_layout(isa, mc.dtype, mc.get_head_size(), block_size)
+            from vllm_clover.kernels import tree_attention_cpu
+
+            if tree_attention_cpu.enabled():
+                tree_attention_cpu.load()  # compile now (first run: ~1 min), fail at start-up
+        elif device == "cuda":
+            mode = self.vllm_config.compilation_config.cudagraph_mode
+            if mode is not None and mode.has_full_cudagraphs():
+                # The tree hooks are Python around the attention call; a replayed full graph
+                # would skip them and verify the tree rows with a causal mask.
+                raise NotImplementedError(
+                    "vllm-clover: tree verification on GPU needs --enforce-eager (or a "
+                    f"cudagraph_mode without full graphs), got {mode.name}")
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose_clover(self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]],
+                       sampling_metadata: Any, aux_hidden_states: list[Tensor] | None,
+                       common_attn_metadata: Any, slot_mappings: Any,
+                       tree_step: TreeStep | None = None) -> tuple[Tensor | list[list[int]], Tensor | None]:
+        """One drafting step. Returns drafts [B, K] (long) and, when temperature>0 requests
+        draft by sampling, their draft distributions [B, K, V] (float32), else None. In a
+        tree step the drafts are per-request lists (tree nodes in BFS order, or a chain) and
+        the distributions None. ``tree_step``: this step's verified trees (their accepted
+        paths are the trunk's rows)."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
+                                 common_attn_metadata, slot_mappings, tree_step)
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.timing["draft_s"] += time.perf_counter() - t0
+            self.timing["calls"] += 1
+
+    def _propose(self, runner: Any, scheduler_output: Any, sampling_metadata: Any,
+                 aux_hidden_states: list[Tensor] | None, common_attn_metadata: Any,
+                 slot_mappings: Any, tree_step: TreeStep | None) -> tuple[Tensor | list[list[int]], Tensor | None]:
+        if not aux_hidden_states:
+            raise RuntimeError("vllm-clover: the target returned no aux hidden states")
+        batch = runner.input_batch
+        b = batch.num_reqs
+        n = scheduler_output.total_num_scheduled_tokens
+        x = aux_hidden_states[0][:n]
+        k = min(scheduler_output.num_spec_tokens_to_schedule, self.num_speculative_tokens)
+        if k <= 0:
+            # Speculation is off for this batch size (disable_by_batch_size / vLLM's dynamic
+            # schedule): skip the trunk too, so a large batch pays nothing for Clover. These
+            # positions get no trunk KV; drafts made later over them attend to zeros or stale
+            # entries there: lower acceptance for those requests, never a wrong output.
+            self.tree_drafts = {}
+            return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
+        positions = runner.positions[:n]
+        cm = common_attn_metadata
+        qsl = cm.query_start_loc_cpu[: b + 1]
+        view = trunk_view(tree_step, qsl.numpy(), b, cm.slot_mapping[:n])
+        if view is not None:
+            # After a tree step: only the accepted paths, as chains on contiguous slots.
+            rows, qsl, slots = view
+            x, positions = x[rows.to(x.device)], positions[rows.to(positions.device)]
+            cm, slot_mappings, n = _chain_view_metadata(cm, qsl, slots, b), None, rows.numel()
+        y, last, first = trunk_inputs(batch.token_ids_cpu_tensor,
+                                      batch.num_tokens_no_spec_cpu_tensor, positions.cpu(), qsl)
+        z = self._run_trunk(runner, x, y.to(x.device), positions, cm, slot_mappings, n)
+        z_last, first = z[last.to(x.device)], first.to(x.device)
+        if self.tree is not None:
+            drafted = self._draft_tree(runner, z_last, first, b, k, positions.cpu()[last])
+            if drafted is not None:
+                return drafted, None
+            k = self._chain_length(b, k)  # the batch is too large for a tree: a chain
+        self.tree_drafts = {}
+        drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
+        if self.records is not None:
+            self._record(batch, positions.cpu()[last], drafts.cpu())
+        return drafts, probs
+
+    def _chain_length(self, b: int, k: int) -> int:
+        """Chain length when the batch's token budget has no room for a tree."""
+        depth = self.model.config.num_heads if self.tree == DYNAMIC else self.tree.max_depth
+        return max(1, min(depth, k, self.options["tree_token_budget"] // b - 1))
+
+    def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, b: int, k: int,
+                    last_positions: Tensor) -> list[list[int]] | None:
+        """Draft this step's tree for every request (one batched head call per depth),
+        or return None when the batch only has room for a chain (``select_tree`` /
+        ``dynamic_budget``: B * (N + 1) <= tree_token_budget).
+
+        Static trees take each head's top-k children over the draft vocabulary; the
+        dynamic tree (Clover-1) keeps children by top-p / sibling ratio and ranks them by
+        joint probability under a per-request node budget. Both are deterministic, so
+        verification uses the one-hot rule. Requests that cannot be verified as a tree
+        (``chain_only_reason``) get its top-1 spine as a chain. Returns one draft list per
+        request and remembers each tree (``tree_drafts``). The draft log (``records``) gets
+        the spine, which equals chain drafting of the same depth."""
+
+        def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
+            state, o = self.model.head_step(state, prev, i)
+            return state, self._draft_logits(o)
+
+        token_budget = self.options["tree_token_budget"]
+        lookup = self.options["prompt_lookup_tokens"]
+        if self.tree == DYNAMIC:
+            budget = dynamic_budget(b, token_budget, max(1, min(k - lookup, self.options["dynamic_tree_nodes"])))
+            is_chain = budget <= 1
+        else:
+            tree = select_tree(self.tree, b, token_budget, max(1, k - lookup))
+            budget, is_chain = tree.num_nodes, tree.num_nodes == tree.max_depth
+        # Prompt lookup fills the verify tokens the tree leaves (lookup.py, tree first), then
+        # the leaf lookups if all of them fit; without any a chain is verified by vLLM's code.
+        room = min(k, token_budget // b - 1) - budget
+        lookup = max(0, min(lookup, room))
+        leaf = self.options["leaf_lookup_tokens"] if self.tree != DYNAMIC else 0
+        if leaf and (not lookup or leaf * tree.retrieve_paths.shape[0] > room - lookup):
+            leaf = 0
+        if is_chain and not lookup:
+            return None
+        if self.tree == DYNAMIC:
+            dt = build_dynamic_tree(head, z_last, first, budget, self.model.config.num_heads,
+                                    vocab_ids=self.draft_ids)
+            counts = dt.buffers.num_nodes.tolist()
+            parents = [tuple(p[:c]) for p, c in zip(dt.buffers.parent.tolist(), counts)]
+            drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
+        else:
+            def topk(logits: Tensor, n: int) -> tuple[Tensor, None]:
+                local = logits.topk(n, dim=-1).indices
+                return (local if self.draft_ids is None else self.draft_ids[local]), None
+
+            drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
+            parents = [tuple(tree.parent.tolist())] * b
+        batch = runner.input_batch
+        table: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        out, spines = [], []
+        for i, (req_id, tokens, parent) in enumerate(zip(batch.req_ids, drafted, parents)):
+            top1 = [tokens[n - 1] for n in spine(parent)]
+            spines.append(top1)
+            state = runner.requests.get(req_id)
+            reason = chain_only_reason(getattr(state, "sampling_params", None))
+            if reason is None:
+                if lookup or self.records is not None:
+                    # The committed tokens, the root (just sampled) last; a numpy view.
+                    committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
+                if lookup:
+                    tokens, parent = graft_retrieval(tokens, parent, committed, self._retrieve, lookup, leaf)
+                table[req_id] = (tokens, parent)
+                if self.records is not None:
+                    self.tree_records.append((req_id, committed.tolist(), tokens, parent))
+                out.append(tokens)
+            else:
+                logger.debug("vllm-clover: request %s drafts a chain (tree verification cannot do %s)",
+                             req_id, reason)
+                out.append(top1)
+        self.tree_drafts = table
+        if self.records is not None:
+            depth = min(len(t) for t in spines)
+            self._record(runner.input_batch, last_positions, torch.tensor([t[:depth] for t in spines]))
+        return out
+
+    def _retrieve(self, committed: np.ndarray, k: int) -> np.ndarray:
+        """Up to ``k`` retrieval tokens after ``committed``: prompt lookup, else the datastore."""
+        o = self.options
+        return retrieval_chain(committed, k, o["prompt_lookup_min"], o["prompt_lookup_max"], self.datastore,
+                               o["datastore_min_confidence"])
+
+    def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
+        """Log (req_id, committed tokens, drafts) for every request whose whole committed
+        sequence has been through the trunk (partial prefills are skipped: the scheduler
+        drops their drafts)."""
+        num_tokens = batch.num_tokens_no_spec_cpu_tensor
+        for i, req_id in enumerate(batch.req_ids):
+            n = int(num_tokens[i])
+            if int(last_positions[i]) == n - 2:
+                self.records.append((req_id, batch.token_ids_cpu_tensor[i, :n].tolist(),
+                                     drafts[i].tolist()))
+
+    def _run_trunk(self, runner: Any, x: Tensor, y: Tensor, positions: Tensor, cm: Any,
+                   slot_mappings: Any, n: int) -> Tensor:
+        """Trunk over all n scheduled rows with paged attention on the Clover layers."""
+        metadata = {}
+        for groups in runner.attn_groups:
+            for group in groups:
+                mine = self._layer_names.intersection(group.layer_names)
+                if not mine:
+                    continue
+                if group.kv_cache_group_id != 0:
+                    # cm is built for KV-cache group 0 when the drafter is not EAGLE-like.
+                    raise NotImplementedError(
+                        "vllm-clover: Clover layers landed in KV-cache group "
+                        f"{group.kv_cache_group_id}; only single-group targets are supported")
+                built = group.build_metadata(cm)
+                metadata.update(dict.fromkeys(mine, built))
+        missing = self._layer_names - set(metadata)
+        if missing:
+            raise RuntimeError(f"vllm-clover: no attention group holds {sorted(missing)}")
+        by_layer = slot_mappings if isinstance(slot_mappings, dict) else {}
+        slots = {name: by_layer.get(name, cm.slot_mapping)[:n] for name in self._layer_names}
+        with set_forward_context(metadata, self.vllm_config, num_tokens=n, slot_mapping=slots):
+            return self.model.trunk(x, y, positions)
+
+    def _draft(self, z_last: Tensor, first: Tensor, k: int, sampling_metadata: Any,
+               b: int) -> tuple[Tensor, Tensor | None]:
+        """Chain of k heads over all B requests at once (loop over heads only).
+
+        Greedy requests (and every request with draft_sampling="greedy") take each head's
+        argmax: one-hot drafts, which vLLM's rejection sampler handles exactly when no
+        probabilities are given. With draft_sampling="sample" and any temperature>0
+        request in the batch, those requests draw each draft from q = softmax(logits/T)
+        and q is returned for the rejection sampler, which then accepts with min(1, p/q)
+        and resamples from max(0, p-q): exactly the target distribution, higher acceptance
+        than one-hot drafts when the heads are good.
+        """
+        sample = self.options["draft_sampling"] == "sample" and not sampling_metadata.all_greedy
+        if sample:
+            temp = sampling_metadata.temperature[:b].to(torch.float32)
+            greedy = temp == GREEDY_TEMPERATURE
+            inv_temp = torch.where(greedy, torch.ones_like(temp), temp).reciprocal().unsqueeze(1)
+            generators = sampling_metadata.generators
+        state, token = z_last, first
+        tokens, probs = [], []
+        for i in range(k):
+            state, o = self.model.head_step(state, token, i)
+            logits = self._draft_logits(o)  # [B, N] float32 (N = draft vocabulary size)
+            local = logits.argmax(dim=-1)
+            if sample:
+                q = torch.softmax(logits * inv_temp, dim=-1)
+                local = torch.where(greedy, local, _sample_rows(q, generators))
+                probs.append(q)
+            token = local if self.draft_ids is None else self.draft_ids[local]
+            tokens.append(token)
+        drafts = torch.stack(tokens, dim=1)
+        if not sample:
+            return drafts, None
+        q = torch.stack(probs, dim=1)  # [B, K, N]
+        if self.draft_ids is not None:  # vLLM wants [B, K, V]: zero outside the draft vocabulary
+            full = q.new_zeros(*q.shape[:2], self.model.config.vocab_size)
+            q = full.index_copy_(2, self.draft_ids, q)
+        return drafts, q.contiguous()
+
+    def _build_draft_lm_head(self, target_head: nn.Module, vocab_size: int) -> Any:
+        """The draft LM-head product o [B, H] -> [B, N]. On vLLM's CPU build the drafter's
+        ``nn.Linear``s and the draft-vocabulary rows are packed for the float32 kernel or oneDNN
+        (cpu_linear.drafter_product) and the full vocabulary reuses the target's own packed LM
+        head; elsewhere plain products."""
+        aug_weights = self.model.take_aug_linear_weights()
+        if not onednn_available():
+            if self.draft_weight is None:
+                return self.model.logits
+            weight = self.draft_weight
+            return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
+        # draft_dtype (cpu_linear.py): the products in bfloat16 halve the bytes drafting streams.
+        # Without a reduced draft vocabulary the heads keep the target's own (float32) LM head.
+        self.matmul_dtype = draft_matmul_dtype(self.options["draft_dtype"], self.dtype)
+        compute = None if self.matmul_dtype == self.dtype else self.matmul_dtype
+        packed = pack_linears(self.model.drafter, compute)
+        if compute is not None:
+            packed += repack_vllm_linears(aug_weights, compute)
+        draft_lm_head = None if self.draft_weight is None else drafter_product(self.draft_weight, compute_dtype=compute)
+        logger.info("vllm-clover: drafter products in %s (draft_dtype=%s), %d linears repacked, draft LM head: %s",
+                    str(self.matmul_dtype).removeprefix("torch."), self.options["draft_dtype"], packed,
+                    type(draft_lm_head).__name__ if draft_lm_head is not None else "the target's")
+        if draft_lm_head is not None:
+            return draft_lm_head
+        method = getattr(target_head, "quant_method", None)
+        if method is None or not hasattr(method, "apply"):
+            return self.model.logits
+        # ParallelLMHead pads its rows; Clover's LM head is the first vocab_size of them.
+        return lambda o: method.apply(target_head, o.to(target_head.weight.dtype))[..., :vocab_size]
+
+    def _draft_logits(self, o: Tensor) -> Tensor:
+        """Head output o [B, H] -> float32 logits over the draft vocabulary [B, N] (N = V
+        without a reduced draft vocabulary)."""
+        return self._draft_lm_head(o).float()
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, **_: Any) -> None:
+        """Heads on zero states (the trunk needs paged-attention metadata, so it is
+        exercised by real steps only). vLLM 0.32 does not call this for medusa drafters."""
+        if self.model is None or self.model.drafter.lm_head_weight is None:
+            return
+        rows = max(1, min(num_tokens, self.vllm_config.scheduler_config.max_num_seqs))
+        state = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
+        token = torch.zeros(rows, dtype=torch.long, device=self.device)
+        for i in range(self.model.config.num_heads):
+            state, o = self.model.head_step(state, token, i)
+            token = self._draft_logits(o).argmax(dim=-1)
+            token = token if self.draft_ids is None else self.draft_ids[token]
+
+
+def _check_tree_attention_backends(target_model: nn.Module) -> None:
+    """Tree rows are only right where the tree-attention hook runs (runner_hooks
+    ``install_tree_attention``): refuse any other backend at start-up, never verify wrong."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    for module in target_model.modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(module, Attention) and not isinstance(impl, (CPUAttentionBackendImpl, FlashAttentionImpl)):
+            raise NotImplementedError(
+                f"vllm-clover: tree verification supports the CPU and FLASH_ATTN attention backends; "
+                f"{module.layer_name} uses {type(impl).__name__} (use --attention-backend FLASH_ATTN, "
+                "or chain drafting)")
+
+
+def _chain_view_metadata(cm: Any, query_start_loc: Tensor, slots: Tensor, b: int) -> Any:
+    """``cm`` restricted to the rows of a :func:`tree_verify.trunk_view` (query_start_loc
+    [B+1] of the view, slots [M]): each request's sequence ends at its last kept row."""
+    old = cm.query_start_loc_cpu[: b + 1].long()
+    num_computed = cm.seq_lens[:b].cpu().long() - (old[1:] - old[:-1])
+    counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    seq_lens = (num_computed + counts).to(torch.int32)
+    dev = cm.seq_lens.device
+    fields = dict(query_start_loc=query_start_loc.to(dev), query_start_loc_cpu=query_start_loc,
+                  seq_lens=seq_lens.to(dev), num_actual_tokens=int(counts.sum()),
+                  max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+                  slot_mapping=slots.to(cm.slot_mapping.device))
+    if getattr(cm, "seq_lens_cpu_upper_bound", None) is not None:
+        fields["seq_lens_cpu_upper_bound"] = seq_lens
+    return dataclasses.replace(cm, **fields)
+
+
+def _sample_rows(q: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """One token per row of q [B, V]; rows with a per-request generator (seeded
+    requests) draw from it, so seeded outputs stay reproducible."""
+    out = torch.multinomial(q, 1).squeeze(1)
+    for row, gen in generators.items():
+        if row < q.shape[0]:
+            out[row] = torch.multinomial(q[row], 1, generator=gen)[0]
+    return out
