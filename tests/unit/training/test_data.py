@@ -366,17 +366,3 @@ def test_load_target_head_default_model(default_model_dir: Path) -> None:
     norm_w, eps, lm_head, embed = F.load_target_head(default_model_dir)
     assert norm_w.shape == (576,) and lm_head.shape == embed.shape == (49152, 576)
     assert lm_head is embed and 0 < eps < 1e-4
-
-
-# --------------------------------------------------------------------------- self-distillation
-
-
-@pytest.mark.slow
-def test_self_distill_two_conversations(default_model_dir: Path) -> None:
-    convs = D.split_heldout(D.load_sharegpt())[0][:2]
-    out = D.self_distill(default_model_dir, convs, max_new_tokens=8, dtype="float32")
-    assert [c.id for c in out] == [c.id for c in convs]
-    for src, c in zip(convs, out):
-        assert c.messages[0] == src.messages[0] and c.messages[1]["role"] == "assistant"
-        assert len(c.messages) == 2 and c.messages[1]["content"].strip()
-        assert c.meta["self_distilled"] and isinstance(c.meta["truncated"], bool)
