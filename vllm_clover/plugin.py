@@ -1,9 +1,10 @@
 """The ``vllm.general_plugins`` entry point: ``clover = vllm_clover.plugin:register``.
 
 vLLM calls ``register()`` in every process it starts (front end / ``LLM``, EngineCore,
-each worker, the model-registry inspection subprocess; see docs/vllm-internals.md), so it
-must be idempotent, cheap, and must not initialise any device. Everything it does is
-listed in ``vllm_clover.patches.CATALOGUE``.
+each worker, the model-registry inspection subprocess), so it must be idempotent, cheap, and
+must not initialise any device. It checks the vLLM release against ``PINNED_VLLM_VERSION``
+(``vllm_clover/__init__.py``, the one place the pin is written; setup.py reads it too) and
+applies ``vllm_clover.patches.CATALOGUE``, which lists everything it changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from vllm_clover import PINNED_VLLM_VERSION
+
 logger = logging.getLogger("vllm_clover")
 
 _registered = False

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import venv_bin
 from vllm_clover import PINNED_VLLM_VERSION, patches, plugin
+
+
 def test_entry_point_is_declared() -> None:
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     clover = [ep for ep in eps if ep.name == "clover"]
@@ -45,10 +47,21 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(patches, "_applied", set())
     monkeypatch.setattr(patches, "CATALOGUE", [
-        patches.Patch("probe", "", "test", "never", lambda: calls.append(1))])
+        patches.Patch(name=f"probe-{i}", target="", why="test", remove_when="never",
+                      apply=lambda i=i: calls.append(i), no_check="test only") for i in (1, 2)])
     plugin.register()
     plugin.register()
-    assert plugin.is_registered() and calls == [1]
+    assert plugin.is_registered() and calls == [1, 2]  # once each, in catalogue order
+
+
+def test_the_vllm_pin_is_written_in_one_place() -> None:
+    """setup.py and the version guard both read PINNED_VLLM_VERSION from vllm_clover/__init__.py."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    setup = (root / "setup.py").read_text()
+    assert "PINNED_VLLM_VERSION" in setup and "vllm_clover/__init__.py" in setup
+    assert "PINNED_VLLM_VERSION" in Path(plugin.__file__).read_text()
 
 
 @pytest.mark.parametrize("found", ["0.31.2", "0.33.0", "0.32.1", "1.0.0+cpu"])
@@ -118,9 +131,8 @@ def test_cgroup_usage_leaves_out_page_cache(tmp_path) -> None:
 def test_vllm_memory_check_uses_cgroup_usage_without_page_cache() -> None:
     from vllm.utils import cpu_resource_utils
 
-    from vllm_clover import patches
-
     from vllm_clover.cpu import env as cpu_env
+
     patches.apply_all()
     assert cpu_resource_utils.get_cgroup_memory_usage() == cpu_env.cgroup_memory_usage_without_page_cache()
     assert cpu_resource_utils.get_cgroup_memory_usage.__vllm_clover_wrapped__

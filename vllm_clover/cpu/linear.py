@@ -28,7 +28,7 @@ the weights (float32 inputs, products and sums), 2.1x (``bench_linear_cpu --shap
 bfloat16 drafting an AVX2-only CPU has. CPUs that multiply bfloat16 natively keep oneDNN's
 bfloat16 primitive, measured there.
 
-The target's float32 linears (patch ``cpu-fp32-linear-kernel``, :func:`install_fp32_linear_kernel`):
+The target's float32 linears (patch ``cpu-fp32-linear-kernel``, :func:`wrap_dispatch`):
 on AVX-512 and AVX2 CPUs every float32 linear layer vLLM builds, the target's and the LM head included,
 runs through ``vllm_clover.kernels.linear_cpu`` instead of oneDNN, in every engine of a process where the
 plugin is loaded (plain vLLM too, so speed comparisons stay like for like): one to ~40 rows
@@ -185,29 +185,21 @@ def repack_vllm_linears(loaded: list[tuple[nn.Module, Tensor]], compute_dtype: t
     return len(loaded)
 
 
-_FP32_PATCHED = "_vllm_clover_fp32_linear"
-
-
 def uses_fp32_kernel(layer: nn.Module) -> bool:
-    """Will :func:`install_fp32_linear_kernel`'s dispatch give ``layer`` the float32 kernel?
+    """Will :func:`wrap_dispatch`'s dispatch give ``layer`` the float32 kernel?
     A float32 2-D weight where the kernel runs (:func:`fp32_kernel_usable`)."""
     weight = getattr(layer, "weight", None)
     return (isinstance(weight, Tensor) and not weight.is_meta and weight.dim() == 2
             and weight.dtype == torch.float32 and fp32_kernel_usable())
 
 
-def install_fp32_linear_kernel() -> None:
-    """Wrap vLLM's ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` (called at load by
+def wrap_dispatch(original: Any) -> Any:
+    """vLLM's ``dispatch_cpu_unquantized_gemm(layer, remove_weight)`` (called at load by
     ``UnquantizedLinearMethod`` and ``VocabParallelEmbedding``'s LM head, both importing it
-    from ``vllm.model_executor.layers.utils`` at call time): layers for which
-    :func:`uses_fp32_kernel` holds get ``layer.cpu_linear`` over a packed copy of their weight
-    (freed afterwards when vLLM would free it); every other layer goes to vLLM's dispatch.
-    Idempotent."""
-    from vllm.model_executor.layers import utils
-
-    original = utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, _FP32_PATCHED, False):
-        return
+    from ``vllm.model_executor.layers.utils`` at call time) with the float32 kernel: layers
+    for which :func:`uses_fp32_kernel` holds get ``layer.cpu_linear`` over a packed copy of
+    their weight (freed afterwards when vLLM would free it); every other layer goes to
+    ``original``. Installed by the patch ``cpu-fp32-linear-kernel`` (vllm_clover/patches/cpu.py)."""
 
     def dispatch_cpu_unquantized_gemm(layer: nn.Module, remove_weight: bool) -> None:
         if not uses_fp32_kernel(layer):
@@ -220,6 +212,4 @@ def install_fp32_linear_kernel() -> None:
         if remove_weight:  # as vLLM's dispatch does: the packed copy is all the layer needs
             layer.weight = nn.Parameter(torch.empty(0, dtype=torch.float32), requires_grad=False)
 
-    setattr(dispatch_cpu_unquantized_gemm, _FP32_PATCHED, True)
-    dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
-    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return dispatch_cpu_unquantized_gemm

@@ -412,48 +412,33 @@ def clover_options(vllm_config: Any) -> dict[str, Any]:
     return {**DEFAULT_OPTIONS, "tree_token_budget": default_tree_token_budget(), **extra}
 
 
-# ============================================================================ installation
-_MARK = "__vllm_clover_wrapped__"
-
-
-def install_cli_flags() -> None:
-    """Wrap the staticmethod ``EngineArgs.add_cli_args`` to also add our two flags."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    orig = EngineArgs.add_cli_args
-    if getattr(orig, _MARK, False):
-        return
+# ============================================================================ hooks
+# What the front-end patches install (vllm_clover/patches/frontend.py): each ``wrap_*`` takes
+# vLLM's original and returns the function that replaces it.
+def wrap_add_cli_args(orig: Any) -> Any:
+    """``EngineArgs.add_cli_args`` (a staticmethod) that also adds our two flags."""
 
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = orig(parser, *args, **kwargs)
         add_clover_cli_args(parser)
         return parser
 
-    setattr(add_cli_args, _MARK, True)
-    add_cli_args.__wrapped__ = orig  # type: ignore[attr-defined]  (inspect.signature follows it)
-    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    return add_cli_args
 
 
-def install_translation() -> None:
-    """Wrap ``EngineArgs.create_speculative_config``: translate Clover before vLLM sees it."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    orig = EngineArgs.create_speculative_config
-    if getattr(orig, _MARK, False):
-        return
+def wrap_create_speculative_config(orig: Any) -> Any:
+    """``EngineArgs.create_speculative_config`` that translates Clover before vLLM sees it."""
 
     def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
         if wants_clover(self):
             translate_engine_args(self, target_model_config)
         return orig(self, target_model_config, target_parallel_config)
 
-    setattr(create_speculative_config, _MARK, True)
-    create_speculative_config.__wrapped__ = orig  # type: ignore[attr-defined]
-    EngineArgs.create_speculative_config = create_speculative_config
+    return create_speculative_config
 
 
-def install_block_drop() -> None:
-    """Wrap ``SpeculativeConfig.use_eagle_block_drop``: True for Clover too (unless the
+def wrap_use_eagle_block_drop(orig: Any) -> Any:
+    """``SpeculativeConfig.use_eagle_block_drop`` that is True for Clover too (unless the
     user set ``disable_eagle_block_drop``), as for EAGLE.
 
     Why: the trunk KV at position p depends on the token at p+1 (the EAGLE shift), which
@@ -463,20 +448,13 @@ def install_block_drop() -> None:
     drops the last matched block so it is recomputed with the new request's tokens; only
     acceptance is at stake (never outputs), and the price is one block of prefill per hit.
     """
-    from vllm.config.speculative import SpeculativeConfig
-
-    orig = SpeculativeConfig.use_eagle_block_drop
-    if getattr(orig, _MARK, False):
-        return
 
     def use_eagle_block_drop(self: Any) -> bool:
         if orig(self):
             return True
         return is_clover_spec_config(self) and not self.disable_eagle_block_drop
 
-    setattr(use_eagle_block_drop, _MARK, True)
-    use_eagle_block_drop.__wrapped__ = orig  # type: ignore[attr-defined]
-    SpeculativeConfig.use_eagle_block_drop = use_eagle_block_drop
+    return use_eagle_block_drop
 
 
 def is_clover_spec_config(spec: Any) -> bool:
@@ -486,9 +464,6 @@ def is_clover_spec_config(spec: Any) -> bool:
     return ARCHITECTURE in (getattr(spec.draft_model_config.hf_config, "architectures", None) or [])
 
 
-SERVE_MODULE = "vllm.entrypoints.cli.serve"
-
-
 def clover_config_errors() -> tuple[type[Exception], ...]:
     """The plugin's own configuration errors: each message is one complete line."""
     from vllm_clover.model.checkpoint import CloverCheckpointError
@@ -496,25 +471,14 @@ def clover_config_errors() -> tuple[type[Exception], ...]:
     return (CloverSpecError, CloverCheckpointError)
 
 
-def install_serve_errors() -> None:
-    """Wrap ``vllm serve``'s command (``ServeSubcommand.cmd``): a Clover configuration
-    error (bad checkpoint, K > heads, target mismatch, any spelling, including
-    ``--speculative-config`` JSON) ends the CLI with one ``vllm serve: error: ...`` line on
-    stderr and exit status 2, as argparse does, instead of a traceback.
+def wrap_serve_cmd(orig: Any) -> Any:
+    """``vllm serve``'s command (``ServeSubcommand.cmd``, a staticmethod) that ends the CLI
+    on a Clover configuration error (bad checkpoint, K > heads, target mismatch, any
+    spelling, including ``--speculative-config`` JSON) with one ``vllm serve: error: ...``
+    line on stderr and exit status 2, as argparse does, instead of a traceback.
 
     Only the CLI is affected: ``LLM(...)`` / ``AsyncLLM`` users still get the exception.
-    A no-op unless the CLI module is already imported, which it is in the ``vllm`` CLI
-    process when plugins load (``vllm/entrypoints/cli/main.py`` imports every command
-    module before building the parsers that load plugins); engine and worker processes
-    never import it.
     """
-    module = sys.modules.get(SERVE_MODULE)
-    if module is None:
-        return
-    cls = module.ServeSubcommand
-    orig = cls.cmd
-    if getattr(orig, _MARK, False):
-        return
 
     def cmd(args: Any) -> None:
         try:
@@ -523,6 +487,4 @@ def install_serve_errors() -> None:
             print(f"vllm serve: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
-    setattr(cmd, _MARK, True)
-    cmd.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls.cmd = staticmethod(cmd)
+    return cmd

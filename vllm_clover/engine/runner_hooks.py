@@ -41,7 +41,7 @@ replaces it.
 
 And one EngineCore-side wrap (``Scheduler.schedule`` + ``EngineCore.post_step``): after a
 step scheduled with no drafts, the EngineCore of a Clover engine does not ask the worker
-for drafts (:func:`install_engine_draft_fetch`).
+for drafts (patch ``engine-no-draft-fetch-when-drafting-off``).
 """
 
 from __future__ import annotations
@@ -50,9 +50,6 @@ import functools
 from typing import Any, Callable
 
 from vllm_clover.engine.frontend import is_clover_vllm_config
-
-_MARK = "__vllm_clover_wrapped__"
-
 
 def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(orig)
@@ -68,7 +65,6 @@ def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
             self.rejection_sampler = CloverRejectionSampler(
                 self.rejection_sampler, functools.partial(target_kv_layers, vllm_config))
 
-    setattr(__init__, _MARK, True)
     return __init__
 
 
@@ -98,7 +94,6 @@ def wrap_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
             self._draft_prob_req_ids = self.input_batch.req_ids.copy()
         return drafts
 
-    setattr(propose_draft_token_ids, _MARK, True)
     return propose_draft_token_ids
 
 
@@ -109,7 +104,6 @@ def wrap_fits(orig: Callable[..., bool]) -> Callable[..., bool]:
             return common_attn_metadata is not None
         return orig(self, common_attn_metadata)
 
-    setattr(_input_fits_in_drafter, _MARK, True)
     return _input_fits_in_drafter
 
 
@@ -123,7 +117,6 @@ def wrap_sample_tokens(orig: Callable[..., Any]) -> Callable[..., Any]:
             if hidden:
                 self.input_batch.generators.update(hidden)
 
-    setattr(sample_tokens, _MARK, True)
     return sample_tokens
 
 
@@ -137,7 +130,6 @@ def wrap_prepare_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
             set_active_step(plan_tree_step(self, scheduler_output))
         return result
 
-    setattr(_prepare_inputs, _MARK, True)
     return _prepare_inputs
 
 
@@ -169,7 +161,6 @@ def wrap_tree_attention(orig: Callable[..., Any], skip_covered: bool = False) ->
         tree_attention_rows(self, query, kv_cache, attn_metadata, output, step, getattr(layer, "isa", "vec"))
         return result
 
-    setattr(forward, _MARK, True)
     return forward
 
 
@@ -220,70 +211,6 @@ def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_
     output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
-setattr(expand_kernel_impl, _MARK, True)
-
-
-def install_cpu_expand_fix() -> None:
-    """Swap vLLM's broken CPU fallback (``vllm.utils.cpu_triton_utils._expand_kernel_impl``)
-    for :func:`expand_kernel_impl`. Plugins load before the worker registers its CPU kernel
-    overrides (``worker_base.py`` ``init_worker``), which reads the module attribute; if
-    the overrides are already registered in this process, re-register ours."""
-    from vllm.triton_utils import dispatcher
-    from vllm.utils import cpu_triton_utils
-
-    if getattr(cpu_triton_utils._expand_kernel_impl, _MARK, False):
-        return
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
-    registered = dispatcher._registry.get(EXPAND_KERNEL)
-    if registered is not None and not getattr(registered[1], _MARK, False):
-        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
-
-
-def install(cls: type, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``cls.name`` by ``wrapper(original)`` unless already wrapped."""
-    orig = getattr(cls, name)
-    if not getattr(orig, _MARK, False):
-        setattr(cls, name, wrapper(orig))
-
-
-def install_init() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    install(GPUModelRunner, "__init__", wrap_init)
-
-
-def install_propose() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    install(GPUModelRunner, "propose_draft_token_ids", wrap_propose)
-
-
-def install_fits() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    install(GPUModelRunner, "_input_fits_in_drafter", wrap_fits)
-
-
-def install_prepare_inputs() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    install(GPUModelRunner, "_prepare_inputs", wrap_prepare_inputs)
-
-
-def install_tree_attention() -> None:
-    """The tree-rows hook on the attention backends tree verification supports: CPU_ATTN,
-    and FlashAttention on GPU builds (same forward signature; its module imports on CPU too)."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
-
-    install(CPUAttentionBackendImpl, "forward", functools.partial(wrap_tree_attention, skip_covered=True))
-    install(FlashAttentionImpl, "forward", wrap_tree_attention)
-
-
-def install_sample_tokens() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    install(GPUModelRunner, "sample_tokens", wrap_sample_tokens)
 
 
 # ============================================================================ EngineCore side
@@ -305,7 +232,6 @@ def wrap_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
         setattr(self, _LAST_K, out.num_spec_tokens_to_schedule)
         return out
 
-    setattr(schedule, _MARK, True)
     return schedule
 
 
@@ -318,16 +244,8 @@ def wrap_post_step(orig: Callable[..., None]) -> Callable[..., None]:
             return
         orig(self, model_executed)
 
-    setattr(post_step, _MARK, True)
     return post_step
 
-
-def install_engine_draft_fetch() -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-
-    install(Scheduler, "schedule", wrap_schedule)
-    install(EngineCore, "post_step", wrap_post_step)
 
 
 class CloverWorkerExtension:

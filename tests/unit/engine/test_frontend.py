@@ -267,7 +267,7 @@ def test_serve_command_prints_clover_errors_as_one_line(monkeypatch, capsys) -> 
     stderr line and exit 2; other exceptions pass through untouched."""
     import types
 
-    from vllm_clover.engine import frontend
+    from vllm_clover.patches import frontend
     class ServeSubcommand:
         @staticmethod
         def cmd(args):
@@ -293,7 +293,7 @@ def test_serve_command_prints_clover_errors_as_one_line(monkeypatch, capsys) -> 
 
 
 def test_serve_error_wrap_is_noop_without_the_cli(monkeypatch) -> None:
-    from vllm_clover.engine import frontend
+    from vllm_clover.patches import frontend
     monkeypatch.delitem(__import__("sys").modules, frontend.SERVE_MODULE, raising=False)
     frontend.install_serve_errors()  # nothing to wrap, nothing imported
     assert frontend.SERVE_MODULE not in __import__("sys").modules

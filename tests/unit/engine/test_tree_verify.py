@@ -258,7 +258,7 @@ def test_rows_argmax_kernel_is_torch_max_indices(dtype, vocab) -> None:
 @pytest.mark.parametrize("dtype,isa", [(torch.float32, "vec"), pytest.param(torch.bfloat16, "amx", marks=needs_amx)])
 @pytest.mark.parametrize("with_chain", [False, True], ids=["tree-rows-only", "tree-and-chain"])
 def test_hook_on_vllm_cpu_attention(with_chain: bool, dtype, isa, monkeypatch) -> None:
-    """vLLM's own CPU_ATTN forward under our hook (runner_hooks.install_tree_attention): the
+    """vLLM's own CPU_ATTN forward under our hook (patches.runner.install_tree_attention): the
     tree request's rows equal dense ancestor-masked attention, a chain request's rows vLLM's
     causal result; vLLM's causal kernel runs only when some row is not a tree row (when
     tree rows are every row, its output would be overwritten, so it is skipped). Float32
@@ -266,7 +266,7 @@ def test_hook_on_vllm_cpu_attention(with_chain: bool, dtype, isa, monkeypatch) -
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
 
-    from vllm_clover.engine.runner_hooks import install_tree_attention
+    from vllm_clover.patches.runner import install_tree_attention
     from vllm_clover.engine.tree_verify import set_active_step
 
     install_tree_attention()
@@ -333,9 +333,9 @@ def vllm_sampler():
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_clover.engine import runner_hooks
+    from vllm_clover.patches import cpu as cpu_patches
     current_platform.register_triton_kernel_overrides()
-    runner_hooks.install_cpu_expand_fix()
+    cpu_patches.install_expand_fix()
     return RejectionSampler(Sampler())
 
 

@@ -1,5 +1,5 @@
 """The float32 CPU linear kernel (vllm_clover/kernels/linear_cpu.py) and the dispatch patch that gives it
-to vLLM's float32 linear layers (cpu_linear.install_fp32_linear_kernel)."""
+to vLLM's float32 linear layers (patches.cpu.install_fp32_linear_kernel)."""
 
 from __future__ import annotations
 
@@ -140,12 +140,13 @@ def test_patched_dispatch_gives_float32_layers_the_kernel(monkeypatch: pytest.Mo
     from vllm.model_executor.layers import utils
 
     from vllm_clover.cpu import linear as cpu_linear
+    from vllm_clover.patches import cpu as cpu_patches
     monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", utils.dispatch_cpu_unquantized_gemm)
-    cpu_linear.install_fp32_linear_kernel()
-    cpu_linear.install_fp32_linear_kernel()  # idempotent: one wrapper
+    cpu_patches.install_fp32_linear_kernel()
+    cpu_patches.install_fp32_linear_kernel()  # idempotent: one wrapper
     dispatch = utils.dispatch_cpu_unquantized_gemm
-    assert getattr(dispatch, "_vllm_clover_fp32_linear") and not getattr(
-        dispatch.__wrapped__, "_vllm_clover_fp32_linear", False)
+    assert getattr(dispatch, "__vllm_clover_wrapped__") and not getattr(
+        dispatch.__wrapped__, "__vllm_clover_wrapped__", False)
 
     torch.manual_seed(3)
     layer = _layer(torch.float32)
