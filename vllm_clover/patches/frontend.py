@@ -77,9 +77,8 @@ TRANSLATION = Patch(
     name="speculative-config-clover-translation",
     target="vllm.engine.arg_utils.EngineArgs.create_speculative_config",
     why=("SpeculativeConfig.method is a closed Literal, so method 'clover' (or 'clover:<dir>') becomes "
-         "'medusa' with the Clover directory and the Clover-only options go to "
-         "additional_config['clover']. The checkpoint is validated here, in the front-end process, "
-         "so a bad one is one clear line before any engine process starts."),
+         "'medusa' with the Clover directory, and the Clover-only options go to additional_config['clover']. "
+         "The checkpoint is validated in the front-end process, one clear line before any engine starts."),
     upstream="vllm-project/vllm#36219 (RFC: a proposer registry for speculative methods)",
     remove_when="vLLM lets plugins register speculative methods",
     apply=install_translation,
