@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 
 from vllm_clover.cpu import env as cpu_env
+from vllm_clover.serve_defaults import SERVE_DEFAULTS, platform_case, shipped_serve_options
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
@@ -47,64 +49,8 @@ def _has_flag(args: list[str], *flags: str) -> bool:
     return any(a == f or a.startswith(f + "=") for a in args for f in flags)
 
 
-# Clover settings `vllm-clover serve` uses with the shipped heads on the default model
-# (chosen by `vllm-clover bench`, README "Results"). CPU without AVX-512 (AVX2): head 0's
-# draft as a one-node tree with 5 prompt-lookup tokens grafted in (at most 7 verify tokens at
-# batch 1: the float32 linear kernel runs the default model's linears in 29-35 ms at 1-7 rows
-# and 41 ms at 8, docs/cpu-linear.md), the 4,096-token draft vocabulary, no drafts from 3
-# running requests; where the request repeats no n-gram, the shipped n-gram datastore fills
-# the lookup's slots while its next token is at least 20% likely (datastore_min_confidence's
-# default; ahead of the same without the datastore on average in 2 runs on 2 machines, 3 of
-# their 4 repeats).
-# On a 2-core Zen 1 EPYC (AVX2), float32, 10 MT-Bench prompts, two runs: 1.90x and 1.66x
-# vanilla against 1.73x and 1.52x for chain2 + 5 (8 rows) in the same runs, ahead in all 5
-# paired repeats, 2.24 against 2.31 tokens per step (README "Latest: one head draft and five
-# lookup tokens on AVX2").
-SHIPPED_SERVE_OPTIONS = {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
-                         "datastore": "datastore.npz", "disable_by_batch_size": 3}
-# CPUs with AVX-512, where verify rows are nearly free (cpu_env.cheap_verify_rows): the top-2
-# first tokens, each with its top-1 child, + 5 lookup tokens, 10 verify tokens per request.
-# Measured ahead of chain2 in every repeat compiled (README "A larger tree when rows are free").
-SHIPPED_SERVE_OPTIONS_AVX512 = {**SHIPPED_SERVE_OPTIONS, "tree": "small_4", "tree_token_budget": 10}
-# float32 on CPUs with AVX-512 while the float32 linear kernel runs the target's linears
-# (vllm_clover/kernels/linear_cpu.py; not with VLLM_CLOVER_CPU_LINEAR=0): 14 rows fit its register tile
-# and a verified row costs ~0.8 ms (docs/cpu-linear.md), so the top-3 first tokens, top-1
-# children under the first two (`small_5`) and 8 lookup tokens, 14 verify tokens at most.
-# 1.83x vanilla float32 (1.81, 1.92, 1.77) and 2.77 tokens per step on 20 MT-Bench prompts,
-# against 1.77x and 2.55 for small_4 + 5 / 10 in the same run (README "Latest: 14 verify rows
-# in float32").
-SHIPPED_SERVE_OPTIONS_AVX512_FP32 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "small_5", "prompt_lookup_tokens": 8,
-                                     "tree_token_budget": 14}
-# bfloat16 on CPUs with AMX tiles (`--dtype bfloat16`), where the target's linears cost the
-# same for 1 to 16 rows and +2-3 ms from 17 to 32 (docs/cpu-defaults.md) and tree rows attend
-# with AMX tiles: the heads' top-4 first tokens with their children (`wide_9`), up to 16 lookup
-# tokens from the root and 2 under each of its 5 leaves, 36 verify tokens at most (20 on
-# average). 2.02x and 1.99x vanilla bf16 (two runs), 2.07x after the cheaper verify step
-# (second session of 2026-12-05), 3.14 tokens per step on 20 MT-Bench prompts, against
-# 1.98x / 2.98 without the leaf lookups and 1.99x / 2.75 for the earlier small_4 + 16
-# (README "Latest"); float32, where every row costs its FMAs, keeps 14 rows (above).
-SHIPPED_SERVE_OPTIONS_AMX_BF16 = {**SHIPPED_SERVE_OPTIONS_AVX512, "tree": "wide_9", "prompt_lookup_tokens": 16,
-                                  "leaf_lookup_tokens": 2, "tree_token_budget": 36}
-# GPU: chain drafting (tree verification has not run on a GPU yet, and needs --enforce-eager).
-SHIPPED_SERVE_OPTIONS_GPU = {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3}
 SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-model", "--spec-model",
               "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
-
-
-def shipped_serve_options(dtype: str | None = None) -> dict:
-    """The Clover options the shipped heads are served with on this platform and CPU, for the
-    model dtype ``dtype`` (the ``--dtype`` value; None: the CPU default, float32)."""
-    if not cpu_env.is_cpu_platform():
-        return SHIPPED_SERVE_OPTIONS_GPU
-    if dtype in ("bfloat16", "bf16") and "amx_tile" in cpu_env.cpu_flags():
-        return SHIPPED_SERVE_OPTIONS_AMX_BF16
-    if not cpu_env.cheap_verify_rows():
-        return SHIPPED_SERVE_OPTIONS
-    from vllm_clover.kernels import linear_cpu  # here: importing it imports torch, which the CLI's start does not need
-
-    if dtype in (None, "auto", "float32", "float") and linear_cpu.enabled():
-        return SHIPPED_SERVE_OPTIONS_AVX512_FP32
-    return SHIPPED_SERVE_OPTIONS_AVX512
 
 
 def default_clover_config(heads: Path, dtype: str | None = None) -> str:
@@ -128,7 +74,8 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover
 
     Adds the CPU defaults documented in docs/cpu-defaults.md unless the user set them. On
     the default model, with ``clover`` and no speculative flag of the user's, Clover runs
-    with the heads shipped in vllm_clover/heads/ (:data:`SHIPPED_SERVE_OPTIONS`).
+    with the heads shipped in vllm_clover/heads/ and the options of this platform's row of
+    the serve-defaults table (vllm_clover/serve_defaults.py).
     """
     if model is None:
         from vllm_clover.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -151,8 +98,22 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover
     return argv + extra
 
 
+def _print_config(args: argparse.Namespace, extra: list[str], argv: list[str]) -> None:
+    """``serve --print-config``: the serve-defaults row in use (if any) and the command."""
+    if args.model is None and not args.no_clover and not _has_flag(extra, *SPEC_FLAGS) \
+            and "--speculative-config" in argv:
+        case = platform_case(_flag_value(extra, "--dtype"))
+        row = SERVE_DEFAULTS[case]
+        print(f"serve defaults: {case}: {row['why']} ({row['evidence']})")
+        print(f"Clover options: {json.dumps(row['options'])}")
+    print(f"command: vllm {shlex.join(argv)}")
+
+
 def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> None:
     argv = serve_argv(args.model, args.host, args.port, extra, clover=not args.no_clover)
+    if args.print_config:
+        _print_config(args, extra, argv)
+        return
     url = f"http://{args.host}:{args.port}"
     name = argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else argv[1]
     body = ('{"model": "%s", "messages": [{"role": "user", "content": '
@@ -380,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--no-clover", action="store_true",
                    help="serve the default model without the shipped Clover heads (plain vLLM)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the serve-defaults row this platform gets and the `vllm serve` command, "
+                        "then exit (vllm_clover/serve_defaults.py)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("patches", help="list the vLLM internals the plugin touches")

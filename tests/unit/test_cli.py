@@ -1,4 +1,4 @@
-"""`vllm-clover` argument handling (pure parts; the server itself is tested in test_serve.py)."""
+"""`vllm-clover` argument handling (pure parts; the server itself: tests/e2e/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from vllm_clover import cli
 
 from vllm_clover.cpu import env as cpu_env
 from vllm_clover.drafting.tree import get_tree
+from vllm_clover.serve_defaults import SERVE_DEFAULTS
+
+OPTIONS = {case: row["options"] for case, row in SERVE_DEFAULTS.items()}
 
 
 def test_serve_argv_adds_cpu_defaults(monkeypatch) -> None:
@@ -44,9 +47,9 @@ def default_with_heads(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("flags, linear_kernel, options", [
-    ({"avx2", "fma"}, "1", cli.SHIPPED_SERVE_OPTIONS),
-    ({"avx2", "avx512f"}, "1", cli.SHIPPED_SERVE_OPTIONS_AVX512_FP32),
-    ({"avx2", "avx512f"}, "0", cli.SHIPPED_SERVE_OPTIONS_AVX512),
+    ({"avx2", "fma"}, "1", OPTIONS["avx2"]),
+    ({"avx2", "avx512f"}, "1", OPTIONS["avx512_fp32"]),
+    ({"avx2", "avx512f"}, "0", OPTIONS["avx512"]),
 ])
 def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, monkeypatch, flags,
                                                             linear_kernel, options) -> None:
@@ -65,10 +68,10 @@ def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, 
 
 
 @pytest.mark.parametrize("dtype_args, flags, options", [
-    (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
-    (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AMX_BF16),
-    (["--dtype", "float32"], {"avx512f", "amx_tile"}, cli.SHIPPED_SERVE_OPTIONS_AVX512_FP32),
-    (["--dtype", "bfloat16"], {"avx512f"}, cli.SHIPPED_SERVE_OPTIONS_AVX512),  # the float32 kernel does not apply
+    (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, OPTIONS["amx_bf16"]),
+    (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, OPTIONS["amx_bf16"]),
+    (["--dtype", "float32"], {"avx512f", "amx_tile"}, OPTIONS["avx512_fp32"]),
+    (["--dtype", "bfloat16"], {"avx512f"}, OPTIONS["avx512"]),  # the float32 kernel does not apply
 ])
 def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_with_heads, monkeypatch, dtype_args,
                                                                       flags, options) -> None:
@@ -77,7 +80,7 @@ def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_wi
     argv = cli.serve_argv(None, "h", 1, dtype_args)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "clover", "model": str(default_with_heads), **options}
-    if options is cli.SHIPPED_SERVE_OPTIONS_AMX_BF16:  # 1 root + 9 nodes + 16 lookup + 2 x 5 leaves
+    if options is OPTIONS["amx_bf16"]:  # 1 root + 9 nodes + 16 lookup + 2 x 5 leaves
         assert (spec["tree"], spec["prompt_lookup_tokens"], spec["leaf_lookup_tokens"], spec["tree_token_budget"]) \
             == ("wide_9", 16, 2, 36)
 
@@ -86,8 +89,26 @@ def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> 
     monkeypatch.setattr(cpu_env, "is_cpu_platform", lambda: False)
     argv = cli.serve_argv(None, "h", 1, [])
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "clover", "model": str(default_with_heads), **cli.SHIPPED_SERVE_OPTIONS_GPU}
+    assert spec == {"method": "clover", "model": str(default_with_heads), **OPTIONS["gpu"]}
     assert "tree" not in spec
+
+
+def test_every_serve_default_names_its_reason_and_evidence() -> None:
+    for case, row in SERVE_DEFAULTS.items():
+        assert set(row) == {"options", "why", "evidence"} and row["why"] and row["evidence"], case
+        assert row["options"]["draft_vocab_size"] == 4096 and row["options"]["disable_by_batch_size"] == 3
+
+
+def test_serve_print_config_shows_the_platform_row(default_with_heads, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cpu_env, "cpu_flags", lambda: {"avx2", "fma"})
+    cli.main(["serve", "--print-config"])
+    out = capsys.readouterr().out
+    assert out.startswith("serve defaults: avx2: ") and SERVE_DEFAULTS["avx2"]["evidence"] in out
+    assert json.loads(out.splitlines()[1].split(": ", 1)[1]) == OPTIONS["avx2"]
+    assert out.splitlines()[-1].startswith("command: vllm serve ") and "--speculative-config" in out
+    cli.main(["serve", "/m", "--print-config"])
+    argv = cli.serve_argv("/m", cli.DEFAULT_HOST, cli.DEFAULT_PORT, [])
+    assert capsys.readouterr().out.splitlines() == [f"command: vllm {' '.join(argv)}"]
 
 
 @pytest.mark.parametrize("extra, clover", [
@@ -130,7 +151,7 @@ def test_small_machine_reserves_no_core_unless_the_user_chose() -> None:
 
 def test_iomp_preload_replaces_vllms_automatic_libgomp(monkeypatch, tmp_path) -> None:
     """vLLM adds torch's libgomp when a config is built before our plugin loaded; its
-    executor then refuses LD_PRELOAD naming both runtimes (the CI failure of session 2)."""
+    executor then refuses LD_PRELOAD naming both runtimes, and every later engine dies at start."""
     lib = tmp_path / "libiomp5.so"
     lib.write_bytes(b"")
     monkeypatch.setattr(cpu_env, "iomp_library", lambda: lib)
