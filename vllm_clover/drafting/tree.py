@@ -1,8 +1,11 @@
-"""Token trees for Clover speculative decoding: structure, drafting, acceptance, compaction.
+"""Token trees for Clover speculative decoding: structure, static trees, drafting.
 
-Pure PyTorch, no vLLM import. Docs: docs/trees-and-kernels.md; method:
-/work/shared/docs/clover-method.md sections 1.4, 4.1, 4.2; vLLM constraints:
-/work/shared/docs/vllm-internals.md section 3.
+Pure PyTorch, no vLLM import. Docs: docs/trees-and-kernels.md; method: the Clover papers
+(arXiv 2405.00263: heads, dynamic tree; arXiv 2408.00264: Clover-2, static tree); vLLM
+constraints: docs/vllm-internals.md section 4. Beside this module, under the same
+conventions, and re-exported here: the static tree presets as plain data (presets.py), the
+head-step and child-choice callables (head_steps.py), acceptance and the KV compaction plan
+(acceptance.py).
 
 Conventions used everywhere in this module
 ------------------------------------------
@@ -32,60 +35,25 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from vllm_clover.drafting.acceptance import (AcceptResult, accepted_kv_moves, greedy_accept, positions_to_slots,
+                                             sample_accept)
+from vllm_clover.drafting.head_steps import HeadStepFn, TopkFn, drafter_head_step_fn, greedy_topk, sampling_topk
+from vllm_clover.drafting.presets import DEFAULT_TREE, PRESETS
+
+__all__ = [  # with the names re-exported from acceptance.py, head_steps.py and presets.py
+    "DEFAULT_TREE", "PRESETS", "AcceptResult", "DraftTree", "HeadStepFn", "StaticTree", "TopkFn", "TreeBuffers",
+    "accepted_kv_moves", "buffers_from_parents", "build_dynamic_tree", "chain_paths", "drafter_head_step_fn",
+    "dynamic_budget", "expand_static_tree", "get_tree", "graft_chain", "greedy_accept", "greedy_topk",
+    "leaf_paths", "positions_to_slots", "sample_accept", "sampling_topk", "single_tree_buffers",
+    "tree_for_batch_size"]
+
 Tensor = torch.Tensor
 
-# (state [M, H], prev_token [M], head index) -> (new_state [M, H], logits [M, V])
-HeadStepFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
-# (logits [M, V], k) -> (child tokens [M, k] in rank order, q [M, V] sampled from, or None)
-TopkFn = Callable[[Tensor, int], tuple[Tensor, Tensor | None]]
-
-# EAGLE-1's sparse tree, reused by Clover-2 (clover-method.md 4.1): 25 nodes + root,
-# 4/8/8/3/2 nodes per depth, 15 leaves, 11 expanded nodes (1/4/4/1/1 per depth).
-MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
-)
-# A 10-node tree for medium batches (ours, not from a paper): the top-1 spine to depth 5
-# plus the most useful second choices near the root; 2/3/2/2/1 nodes per depth.
-SMALL_10: tuple[tuple[int, ...], ...] = (
-    (0,), (1,),
-    (0, 0), (0, 1), (1, 0),
-    (0, 0, 0), (0, 0, 1),
-    (0, 0, 0, 0), (0, 0, 0, 1),
-    (0, 0, 0, 0, 0),
-)
-# A 4-node tree for compute-bound targets (ours; this 2-core CPU): the top-2 tokens at
-# depth 1, each followed by its top-1 child. Every extra verified token costs real compute
-# there, and depth-1 alternatives carry most of a tree's gain (docs/tree-verification.md).
-SMALL_4: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (1, 0))
-# A 9-node tree, two heads deep (ours): the top-4 first tokens, each with its top-1 child, and
-# the top-1 first token's second child; 4/5 nodes per depth. Drafting costs the same two batched
-# head calls as small_4 (depth, not width, sets their number), and the heads' depth-1 ranks 3
-# and 4 still hold the target's token often enough to pay where verified rows are cheap: on
-# the target's greedy float32 answers to 80 MT-Bench questions, with 16 retrieval tokens,
-# 3.05 tokens per step against small_4's 2.84 (vllm_clover/benchmarks/replay_tree.py).
-WIDE_9: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (2, 0), (3, 0))
-# small_4 less the second first token's child (small_3), or plus the third first token
-# (small_5): trees for float32 on CPUs, where each verified row costs its FMAs (~0.8 ms for the
-# default model, docs/cpu-linear.md) and up to 14 rows fit one register tile of the float32
-# linear kernel, so the rows a smaller tree saves go to prompt-lookup tokens. Replayed on the
-# target's float32 answers to 20 MT-Bench questions with 14 verify rows at most (small_3 + 10
-# retrieval tokens, small_4 + 9, small_5 + 8): 2.74, 2.72 and 2.77 tokens per step over 6.9, 7.6
-# and 8.4 rows per step on average, against 2.54 over 6.3 for small_4 + 5 (10 rows).
-SMALL_3: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0))
-SMALL_5: tuple[tuple[int, ...], ...] = ((0,), (1,), (2,), (0, 0), (1, 0))
-PRESETS: dict[str, tuple[tuple[int, ...], ...]] = {"mc_sim_7b_63": MC_SIM_7B_63, "small_10": SMALL_10,
-                                                   "small_3": SMALL_3, "small_4": SMALL_4, "small_5": SMALL_5,
-                                                   "wide_9": WIDE_9}
-DEFAULT_TREE = "mc_sim_7b_63"
 
 
 # ============================================================================ buffers
@@ -398,42 +366,6 @@ class DraftTree:
     buffers: TreeBuffers
 
 
-def greedy_topk(logits: Tensor, k: int) -> tuple[Tensor, None]:
-    """Deterministic top-k children (T = 0 drafting): logits [M, V] -> tokens [M, k], None."""
-    return logits.topk(k, dim=-1).indices, None
-
-
-def sampling_topk(temperature: float = 1.0, generator: torch.Generator | None = None) -> TopkFn:
-    """k samples without replacement from softmax(logits / T), in draw order (EAGLE T > 0).
-
-    Uses the exponential race: key_v = q_v / Exp(1); the descending order of the keys is
-    distributed exactly like sequential draws without replacement. Returns (tokens [M, k],
-    q [M, V] float32). If fewer than k tokens have q > 0, the extra picks have q = 0 and
-    acceptance skips them.
-    """
-    if temperature <= 0:
-        raise ValueError("sampling_topk needs temperature > 0; use greedy_topk for T = 0")
-
-    def topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        q = torch.softmax(logits.float() / temperature, dim=-1)
-        e = torch.empty_like(q).exponential_(1.0, generator=generator)
-        return (q / e).topk(k, dim=-1).indices, q
-
-    return topk
-
-
-def drafter_head_step_fn(drafter, lm_head=None) -> HeadStepFn:
-    """Adapter: a ``CloverDrafter`` (vllm_clover.model.drafter) as a :data:`HeadStepFn`.
-
-    ``drafter.head_step(state, prev_token, i)`` returns (s_i, o_i); logits = LMHead(o_i).
-    Duck-typed so this module does not import the model.
-    """
-    def step(state: Tensor, prev_token: Tensor, i: int) -> tuple[Tensor, Tensor]:
-        s, o = drafter.head_step(state, prev_token, i)
-        return s, drafter.logits(o, lm_head)
-    return step
-
-
 @torch.no_grad()
 def expand_static_tree(head_step_fn: HeadStepFn, z_last: Tensor, root_tokens: Tensor,
                        tree: StaticTree | str = DEFAULT_TREE, topk_fn: TopkFn = greedy_topk) -> DraftTree:
@@ -502,64 +434,117 @@ def build_dynamic_tree(head_step_fn: HeadStepFn, z_last: Tensor, root_tokens: Te
     49,152); None: column = token id. Returns tokens/buffers of width ``budget + 1``;
     requests with fewer nodes are right-padded (module docstring).
     """
-    b, h = z_last.shape
-    dev = z_last.device
-    n1 = budget + 1
-    tokens = torch.zeros(b, n1, dtype=torch.long, device=dev)
-    tokens[:, 0] = root_tokens
-    parent = torch.full((b, n1), -1, dtype=torch.long, device=dev)
-    count = torch.ones(b, dtype=torch.long, device=dev)  # nodes so far, root included
-    # Frontier: nodes of the current depth, as [B, F] node indices (-1 pad) + states.
-    front = torch.zeros(b, 1, dtype=torch.long, device=dev)
-    front_joint = torch.ones(b, 1, device=dev)
-    front_state = z_last[:, None, :]
+    grow = _GrowingTree.start(z_last, root_tokens, budget)
     for d in range(max_depth):
-        live = front >= 0
-        remaining = budget - (count - 1)
+        live = grow.front >= 0
+        remaining = budget - (grow.count - 1)
         if not bool(live.any()) or int(remaining.max()) <= 0:
             break
-        f = front.shape[1]
         bi, fi = live.nonzero(as_tuple=True)
-        states, logits = head_step_fn(front_state[bi, fi], tokens[bi, front[bi, fi]], d)
-        k = min(max_children, logits.shape[-1])
-        probs, cand = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [M, k] sorted
-        if vocab_ids is not None:
-            cand = vocab_ids[cand]
-        before = probs.cumsum(-1) - probs
-        keep = (before < top_p) & (probs >= sibling_ratio * probs[:, :1])
-        joint = torch.full((b, f, k), -1.0, device=dev)
-        joint[bi, fi] = torch.where(keep, front_joint[bi, fi][:, None] * probs, -1.0)
-        cand_tok = torch.zeros(b, f, k, dtype=torch.long, device=dev)
-        cand_tok[bi, fi] = cand
-        joint = joint.view(b, f * k)
-        order = joint.argsort(dim=-1, descending=True, stable=True)
-        pos = torch.empty_like(order)
-        pos.scatter_(1, order, torch.arange(f * k, device=dev).expand(b, -1))  # rank by joint
-        sel = (pos < remaining[:, None]) & (joint > 0)  # [B, F*k], flatten order = BFS order
-        n_sel = sel.sum(-1)
-        if int(n_sel.max()) == 0:
+        states, logits = head_step_fn(grow.front_state[bi, fi], grow.tokens[bi, grow.front[bi, fi]], d)
+        joint, cand_tok = _child_candidates(logits, grow.front_joint, bi, fi, top_p, sibling_ratio,
+                                            max_children, vocab_ids)
+        sel = _best_candidates(joint.flatten(1), remaining)
+        if int(sel.sum(-1).max()) == 0:
             break
-        new_idx = count[:, None] + sel.long().cumsum(-1) - 1  # node index of each selected
+        child_state = torch.zeros(*grow.front.shape, states.shape[-1], dtype=states.dtype, device=states.device)
+        child_state[bi, fi] = states
+        grow.add_children(sel, joint, cand_tok, child_state)
+    return grow.finish()
+
+
+@dataclass
+class _GrowingTree:
+    """A dynamic tree while :func:`build_dynamic_tree` grows it, depth by depth; B requests,
+    N+1 = budget + 1 columns, F frontier slots (the nodes of the depth being expanded)."""
+
+    tokens: Tensor       # [B, N+1] long: node tokens, column 0 = root, 0 where unfilled
+    parent: Tensor       # [B, N+1] long: -1 at the root and where unfilled
+    count: Tensor        # [B] long: nodes so far, root included
+    front: Tensor        # [B, F] long: frontier node indices, -1 pad
+    front_joint: Tensor  # [B, F] float32: joint probability of each frontier node's path
+    front_state: Tensor  # [B, F, H]: the state head d takes for a frontier node's children
+
+    @classmethod
+    def start(cls, z_last: Tensor, root_tokens: Tensor, budget: int) -> "_GrowingTree":
+        """The root alone: z_last [B, H], root_tokens [B]."""
+        b = z_last.shape[0]
+        dev = z_last.device
+        tokens = torch.zeros(b, budget + 1, dtype=torch.long, device=dev)
+        tokens[:, 0] = root_tokens
+        return cls(tokens=tokens, parent=torch.full((b, budget + 1), -1, dtype=torch.long, device=dev),
+                   count=torch.ones(b, dtype=torch.long, device=dev),
+                   front=torch.zeros(b, 1, dtype=torch.long, device=dev),
+                   front_joint=torch.ones(b, 1, device=dev), front_state=z_last[:, None, :])
+
+    def add_children(self, sel: Tensor, joint: Tensor, cand_tok: Tensor, child_state: Tensor) -> None:
+        """Append the selected candidates as nodes and make them the next frontier.
+
+        sel [B, F*k] bool (from :func:`_best_candidates`); joint, cand_tok [B, F, k] (from
+        :func:`_child_candidates`); child_state [B, F, H]: head d's output on each frontier
+        node, the state its children take to the next head. Column ``f * k + r`` of the
+        flattened candidates is the rank-r child of frontier node f, so numbering the selected
+        ones in that order keeps the nodes in BFS order.
+        """
+        b, f, k = joint.shape
+        dev = sel.device
+        slot = sel.long().cumsum(-1) - 1  # [B, F*k]: place of each selected one among its request's
         sb, sc = sel.nonzero(as_tuple=True)
-        sf, sk = sc // k, sc % k
-        tgt = new_idx[sb, sc]
-        parent[sb, tgt] = front[sb, sf]
-        tokens[sb, tgt] = cand_tok.view(b, f * k)[sb, sc]
-        # Next frontier: the selected nodes, with their own state (= head d's output on
-        # their parent) and joint probability.
-        state_full = torch.zeros(b, f, h, dtype=states.dtype, device=dev)
-        state_full[bi, fi] = states
-        g = int(n_sel.max())
-        slot = sel.long().cumsum(-1) - 1
+        sf = sc // k
+        tgt = (self.count[:, None] + slot)[sb, sc]  # node index of each selected one
+        self.parent[sb, tgt] = self.front[sb, sf]
+        self.tokens[sb, tgt] = cand_tok.view(b, f * k)[sb, sc]
+        g = int(sel.sum(-1).max())
         front = torch.full((b, g), -1, dtype=torch.long, device=dev)
         front[sb, slot[sb, sc]] = tgt
         front_joint = torch.zeros(b, g, device=dev)
-        front_joint[sb, slot[sb, sc]] = joint[sb, sc]
-        front_state = torch.zeros(b, g, h, dtype=states.dtype, device=dev)
-        front_state[sb, slot[sb, sc]] = state_full[sb, sf]
-        count = count + n_sel
-    valid = torch.arange(n1, device=dev)[None, :] < count[:, None]
-    return DraftTree(tokens=tokens, draft_probs=None, buffers=buffers_from_parents(parent, valid))
+        front_joint[sb, slot[sb, sc]] = joint.view(b, f * k)[sb, sc]
+        front_state = torch.zeros(b, g, child_state.shape[-1], dtype=child_state.dtype, device=dev)
+        front_state[sb, slot[sb, sc]] = child_state[sb, sf]
+        self.front, self.front_joint, self.front_state = front, front_joint, front_state
+        self.count = self.count + sel.sum(-1)
+
+    def finish(self) -> DraftTree:
+        """The grown tree; columns past a request's node count are padding."""
+        valid = torch.arange(self.tokens.shape[1], device=self.tokens.device)[None, :] < self.count[:, None]
+        return DraftTree(tokens=self.tokens, draft_probs=None, buffers=buffers_from_parents(self.parent, valid))
+
+
+def _child_candidates(logits: Tensor, front_joint: Tensor, bi: Tensor, fi: Tensor, top_p: float,
+                      sibling_ratio: float, max_children: int,
+                      vocab_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Token level: the children each live frontier node keeps, with their joint probability.
+
+    logits [M, V']: the head's output on the M live frontier nodes ``(bi, fi)`` of
+    front_joint [B, F]. A node keeps its most likely children while the cumulative probability
+    before a child is < top_p, at most ``max_children``, none below sibling_ratio * its top-1.
+    Returns joint [B, F, k] float32 (-1: no candidate) and tokens [B, F, k] long, in rank order.
+    """
+    b, f = front_joint.shape
+    dev = front_joint.device
+    k = min(max_children, logits.shape[-1])
+    probs, cand = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [M, k] sorted
+    if vocab_ids is not None:
+        cand = vocab_ids[cand]
+    before = probs.cumsum(-1) - probs
+    keep = (before < top_p) & (probs >= sibling_ratio * probs[:, :1])
+    joint = torch.full((b, f, k), -1.0, device=dev)
+    joint[bi, fi] = torch.where(keep, front_joint[bi, fi][:, None] * probs, -1.0)
+    cand_tok = torch.zeros(b, f, k, dtype=torch.long, device=dev)
+    cand_tok[bi, fi] = cand
+    return joint, cand_tok
+
+
+def _best_candidates(joint: Tensor, remaining: Tensor) -> Tensor:
+    """Tree level: each request's ``remaining`` [B] candidates of highest joint probability.
+
+    joint [B, C] (-1: no candidate) -> selected [B, C] bool. The sort is stable, so on ties
+    the lower-ranked sibling goes first and the kept siblings are always a rank prefix."""
+    b, c = joint.shape
+    order = joint.argsort(dim=-1, descending=True, stable=True)
+    pos = torch.empty_like(order)
+    pos.scatter_(1, order, torch.arange(c, device=joint.device).expand(b, -1))  # rank by joint
+    return (pos < remaining[:, None]) & (joint > 0)
 
 
 def graft_chain(tokens: Sequence[int], parent: Sequence[int],
@@ -598,172 +583,3 @@ def graft_chain(tokens: Sequence[int], parent: Sequence[int],
     new_index = {old: i for i, old in enumerate(order)}
     merged_parent = tuple([-1] + [new_index[par[old]] for old in order[1:]])
     return [toks[old] for old in order[1:]], merged_parent
-
-
-# ============================================================================ acceptance
-@dataclass
-class AcceptResult:
-    """Per request, B rows; D = max depth of the tree.
-
-    accepted_nodes  [B, D+1] long: node indices of the accepted path, root (0) first, -1 pad
-    num_accepted    [B] long: accepted draft tokens (root excluded), 0..D
-    bonus           [B] long: the token the target emits after the path (argmax / sample)
-    output_tokens   [B, D+1] long: accepted draft tokens then the bonus, -1 padded; exactly
-                    ``num_accepted + 1`` entries (the vLLM sampler-output row)
-    """
-
-    accepted_nodes: Tensor
-    num_accepted: Tensor
-    bonus: Tensor
-    output_tokens: Tensor
-
-
-def _path_to_nodes(ancestor_row: Tensor, depth: Tensor, max_depth: int) -> Tensor:
-    """ancestor_row [B, N+1] bool (a node's ancestors + itself), depth [B, N+1] -> [B, D+1]."""
-    b, n1 = ancestor_row.shape
-    out = torch.full((b, max_depth + 2), -1, dtype=torch.long, device=depth.device)
-    col = torch.where(ancestor_row, depth, torch.full_like(depth, max_depth + 1))
-    # Non-ancestors all land in the spare last column, which is then dropped.
-    out.scatter_(1, col, torch.arange(n1, device=depth.device).expand(b, -1).contiguous())
-    return out[:, : max_depth + 1]
-
-
-def _finish(tokens: Tensor, accepted: Tensor, num_acc: Tensor, bonus: Tensor) -> AcceptResult:
-    b, w = accepted.shape
-    out = torch.full((b, w), -1, dtype=torch.long, device=tokens.device)
-    drafts = accepted[:, 1:]
-    out[:, : w - 1] = torch.where(drafts >= 0, tokens.gather(1, drafts.clamp(min=0)), -1)
-    out.scatter_(1, num_acc[:, None], bonus[:, None])
-    return AcceptResult(accepted_nodes=accepted, num_accepted=num_acc, bonus=bonus, output_tokens=out)
-
-
-def greedy_accept(tree_tokens: Tensor, target_argmax: Tensor, buffers: TreeBuffers) -> AcceptResult:
-    """Greedy (T = 0) acceptance: the longest root-to-node path whose every draft token
-    equals the target's argmax at its parent; the bonus is the argmax at the path's end.
-
-    tree_tokens [B, N+1] (column 0 = root), target_argmax [B, N+1]: the target's argmax at
-    each tree row (row n predicts the token after node n). Ties between equally deep paths
-    (possible only with duplicate sibling tokens) go to the lower node index.
-    """
-    b, n1 = tree_tokens.shape
-    par = buffers.parent.clamp(min=0)
-    match = (tree_tokens == target_argmax.gather(1, par)) & buffers.valid
-    match[:, 0] = True
-    # A node is reachable iff it and all its ancestors match.
-    path_ok = ~(buffers.ancestor_mask & ~match[:, None, :]).any(-1)
-    idx = torch.arange(n1, device=tree_tokens.device)
-    score = torch.where(path_ok, buffers.depth * (n1 + 1) + (n1 - idx), torch.full_like(buffers.depth, -1))
-    best = score.argmax(-1)
-    rows = torch.arange(b, device=tree_tokens.device)
-    d = buffers.max_depth
-    accepted = _path_to_nodes(buffers.ancestor_mask[rows, best], buffers.depth, d)
-    bonus = target_argmax[rows, best]
-    return _finish(tree_tokens, accepted, buffers.depth[rows, best], bonus)
-
-
-def sample_accept(tree_tokens: Tensor, target_probs: Tensor, buffers: TreeBuffers,
-                  draft_probs: Tensor | None = None, generator: torch.Generator | None = None,
-                  eps: float = 1e-12) -> AcceptResult:
-    """Lossless multi-candidate speculative sampling over a tree (SpecInfer / EAGLE, i.e.
-    recursive rejection sampling), vectorised over the batch.
-
-    tree_tokens [B, N+1]; target_probs [B, N+1, V]: the target's (temperature / top-p
-    processed) distribution at each tree row; draft_probs [B, N+1, V] or None (see
-    :class:`DraftTree`); generator: explicit RNG (the same generator + inputs give the same
-    result).
-
-    Walk from the root. At node n with residual target p (initially target_probs[n]) try
-    its children in rank order. Child x (drawn from q_i = draft_probs[n] with the already
-    tried siblings removed and renormalised) is accepted with prob min(1, p(x) / q_i(x));
-    on rejection p <- norm(max(0, p - q_i)). With ``draft_probs=None`` q_i is one-hot at x:
-    accept with prob p(x), else zero p(x) and renormalise (lossless for any candidates
-    chosen without looking at the target). Children with q_i(x) = 0 are skipped. After an
-    acceptance, continue at the child with p = target_probs[child]; when a node has no
-    children left, the bonus token is sampled from the current p (the final residual, or
-    the target distribution at the last accepted node).
-
-    Lossless when the candidates were drawn as stated (sampling without replacement from
-    draft_probs, or any target-independent choice for the one-hot rule): the emitted
-    tokens have exactly the target's distribution.
-    """
-    b, n1 = tree_tokens.shape
-    dev = tree_tokens.device
-    rows = torch.arange(b, device=dev)
-    tp = target_probs.float()
-    d_max = buffers.max_depth
-    c_max = buffers.children.shape[-1]
-    cur = torch.zeros(b, dtype=torch.long, device=dev)
-    p = tp[:, 0]
-    q_rem = draft_probs[:, 0].float() if draft_probs is not None else None
-    walking = torch.ones(b, dtype=torch.bool, device=dev)
-    accepted = torch.full((b, d_max + 1), -1, dtype=torch.long, device=dev)
-    accepted[:, 0] = 0
-    num_acc = torch.zeros(b, dtype=torch.long, device=dev)
-    for d in range(d_max):
-        moved = torch.zeros(b, dtype=torch.bool, device=dev)
-        for c in range(c_max):
-            child = buffers.children[rows, cur, c]
-            trying = walking & ~moved & (child >= 0)
-            x = tree_tokens[rows, child.clamp(min=0)]
-            if q_rem is None:
-                qvec = torch.nn.functional.one_hot(x, p.shape[-1]).float()
-            else:
-                qvec = q_rem / q_rem.sum(-1, keepdim=True).clamp(min=eps)
-            qx = qvec[rows, x]
-            trying &= qx > 0
-            px = p[rows, x]
-            u = torch.rand(b, generator=generator, device=dev)
-            acc = trying & (u * qx < px)  # u < p/q, i.e. prob min(1, p/q)
-            rej = trying & ~acc
-            resid = (p - qvec).clamp(min=0)
-            s = resid.sum(-1, keepdim=True)
-            # p == q_i makes rejection impossible in exact arithmetic; if rounding still
-            # rejects, fall back to zeroing x (keeps p a distribution).
-            fallback = p.scatter(1, x[:, None], 0.0)
-            fallback = fallback / fallback.sum(-1, keepdim=True).clamp(min=eps)
-            resid = torch.where(s > eps, resid / s.clamp(min=eps), fallback)
-            p = torch.where(rej[:, None], resid, p)
-            if q_rem is not None:
-                q_rem = torch.where(rej[:, None], q_rem.scatter(1, x[:, None], 0.0), q_rem)
-            cur = torch.where(acc, child, cur)
-            moved |= acc
-        walking &= moved
-        p = torch.where(moved[:, None], tp[rows, cur], p)
-        if q_rem is not None:
-            q_rem = torch.where(moved[:, None], draft_probs[rows, cur].float(), q_rem)
-        accepted[:, d + 1] = torch.where(moved, cur, -1)
-        num_acc += moved.long()
-        if not bool(walking.any()):
-            break
-    bonus = torch.multinomial(p, 1, generator=generator).squeeze(1)
-    return _finish(tree_tokens, accepted, num_acc, bonus)
-
-
-# ============================================================================ KV compaction
-def accepted_kv_moves(accepted_nodes: Tensor, root_positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Which KV rows to move so that the accepted path becomes contiguous.
-
-    accepted_nodes [B, D+1] (from :class:`AcceptResult`, root first, -1 pad); root_positions
-    [B]: the root's sequence position (= prefix length before the tree = the KV row of
-    node 0). Node n was written at row ``root + n``; the accepted node at depth j must end
-    at row ``root + j``. Returns (src, dst) logical positions, each [B, D], -1 where nothing
-    moves (padding, or ``n == j``). Since BFS gives ``n_j >= j`` and ``n`` increases along
-    the path, no destination is a later source *of the same step in ascending order*; a
-    parallel copy must still read all sources before writing (the kernels do).
-    """
-    drafts = accepted_nodes[:, 1:]
-    j = torch.arange(1, accepted_nodes.shape[1], device=drafts.device)
-    move = (drafts >= 0) & (drafts != j)
-    root = root_positions.long()[:, None]
-    src = torch.where(move, root + drafts, -1)
-    dst = torch.where(move, root + j, -1)
-    return src, dst
-
-
-def positions_to_slots(positions: Tensor, block_table: Tensor, block_size: int) -> Tensor:
-    """Logical positions [B, M] -> flat cache slots ``block * block_size + offset`` (vLLM's
-    slot_mapping convention), via block_table [B, max_blocks]; -1 entries stay -1."""
-    pos = positions.long()
-    safe = pos.clamp(min=0)
-    blk = block_table.long().gather(1, safe // block_size)
-    return torch.where(pos >= 0, blk * block_size + safe % block_size, -1)

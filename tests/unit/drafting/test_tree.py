@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from vllm_clover.drafting.tree import (MC_SIM_7B_63, PRESETS, StaticTree, accepted_kv_moves, buffers_from_parents,
-                              build_dynamic_tree, drafter_head_step_fn, dynamic_budget, expand_static_tree,
-                              get_tree, graft_chain, greedy_accept, greedy_topk, leaf_paths,
-                              positions_to_slots, sample_accept, sampling_topk, single_tree_buffers,
-                              tree_for_batch_size)
+from vllm_clover.drafting.presets import MC_SIM_7B_63
+from vllm_clover.drafting.tree import (PRESETS, StaticTree, accepted_kv_moves, buffers_from_parents,
+                                       build_dynamic_tree, drafter_head_step_fn, dynamic_budget,
+                                       expand_static_tree, get_tree, graft_chain, greedy_accept, greedy_topk,
+                                       leaf_paths, positions_to_slots, sample_accept, sampling_topk,
+                                       single_tree_buffers, tree_for_batch_size)
 
 # The list from the brief, written out independently of the module's constant.
 BRIEF_MC_SIM = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -374,7 +375,7 @@ def test_dynamic_tree_over_a_reduced_vocabulary_equals_the_masked_full_one():
 
 def test_dynamic_tree_batched_padding_matches_single():
     step = table_heads({(0, 1): [0.5, 0.35, 0.1, 0.05], (1, 0): [0.7, 0.2, 0.1], (1, 1): [0.9, 0.05, 0.05],
-                        (0, 2): [0.97], (1, 0): [0.7, 0.2, 0.1], (2, 0): [0.6, 0.4]})
+                        (0, 2): [0.97], (2, 0): [0.6, 0.4]})
     roots = torch.tensor([1, 2])
     z = torch.zeros(2, 4)
     both = build_dynamic_tree(step, z, roots, budget=6, max_depth=5, top_p=0.9)
