@@ -513,21 +513,21 @@ def test_prompt_lookup_branch_in_every_tree(results: dict) -> None:
     import numpy as np
 
     from vllm_clover.drafting.datastore import load_datastore
-    from vllm_clover.engine.frontend import DEFAULT_OPTIONS
+    from vllm_clover.engine.options import CloverOptions
     from vllm_clover.drafting.lookup import lookup_continuation
 
-    options = MODES[results["mode"]]
+    options, defaults = MODES[results["mode"]], CloverOptions()
     if not options.get("prompt_lookup_tokens"):
         pytest.skip("this mode runs without prompt lookup")
     store = load_datastore(options["datastore"])
     grafted = retrieved = 0
     for _, committed, tokens, parent in results["clover"]["tree_records"]:
         k = options["prompt_lookup_tokens"]
-        chain = lookup_continuation(np.array(committed), DEFAULT_OPTIONS["prompt_lookup_min"],
-                                    DEFAULT_OPTIONS["prompt_lookup_max"], k).tolist()
+        chain = lookup_continuation(np.array(committed), defaults.prompt_lookup_min,
+                                    defaults.prompt_lookup_max, k).tolist()
         grafted += bool(chain)
         if not chain:
-            chain = store.continuation(np.array(committed), k, DEFAULT_OPTIONS["datastore_min_confidence"]).tolist()
+            chain = store.continuation(np.array(committed), k, defaults.datastore_min_confidence).tolist()
             retrieved += bool(chain)
         paths = {0: ()}
         for n in range(1, len(parent)):

@@ -36,11 +36,11 @@ from vllm_clover.cpu.linear import (draft_matmul_dtype, drafter_product, onednn_
                                     repack_vllm_linears)
 from vllm_clover.drafting.datastore import NgramDatastore, load_datastore
 from vllm_clover.model.draft_vocab import load_draft_vocab
-from vllm_clover.engine.frontend import DYNAMIC, clover_options
+from vllm_clover.engine.options import DYNAMIC, CloverOptions
 from vllm_clover.drafting.lookup import graft_retrieval, retrieval_chain
 from vllm_clover.drafting.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
-from vllm_clover.engine.tree_verify import (GREEDY_TEMPERATURE, TreeStep, chain_only_reason, select_tree, spine,
-                                     trunk_view)
+from vllm_clover.engine.tree_verify import (GREEDY_TEMPERATURE, TreeStep, TreeStepContext, chain_only_reason,
+                                            select_tree, spine, trunk_view)
 from vllm_clover.engine.vllm_model import CloverForSpeculativeDecoding
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class CloverProposer(MedusaProposer):
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        self.options = clover_options(vllm_config)
+        self.options = CloverOptions.from_vllm_config(vllm_config)
         self.model: CloverForSpeculativeDecoding | None = None
         self._layer_names: set[str] = set()
         # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
@@ -114,11 +114,11 @@ class CloverProposer(MedusaProposer):
         self.tree_records: list[tuple[str, list[int], list[int], tuple[int, ...]]] = []
         # Tree mode (tree_verify.py): the configured tree, and per request the tokens and
         # parent pointers of the tree drafted last, read when its drafts come back scheduled.
-        paths = self.options.get("tree")
-        self.tree: StaticTree | str | None = (
-            DYNAMIC if paths == DYNAMIC else StaticTree(paths, self.options.get("tree_name", "custom"))
-            if paths else None)
+        self.tree: StaticTree | str | None = self.options.drafting_tree() if self.options.tree else None
         self.tree_drafts: dict[str, tuple[list[int], tuple[int, ...]]] = {}
+        # This engine's tree plan of the step in flight: published by the runner hooks, read by
+        # the target's attention layers (bound in load_model) and the rejection sampler.
+        self.tree_context = TreeStepContext()
         # Retrieval drafts where the prompt lookup finds nothing (datastore.py), or None.
         self.datastore: NgramDatastore | None = None
 
@@ -149,8 +149,8 @@ class CloverProposer(MedusaProposer):
                 f"fit the Clover checkpoint (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
         # ParallelLMHead pads the vocabulary; Clover's E and LMHead are the real rows.
         self.model.bind_target(weight[: cfg.vocab_size])
-        if self.options["draft_vocab_size"]:
-            ids = load_draft_vocab(self.options["checkpoint"], self.options["draft_vocab_size"], cfg.vocab_size)
+        if self.options.draft_vocab_size:
+            ids = load_draft_vocab(self.options.checkpoint, self.options.draft_vocab_size, cfg.vocab_size)
             self.draft_ids = ids.to(weight.device)
             self.draft_weight = weight[self.draft_ids].contiguous()
         self._draft_lm_head = self._build_draft_lm_head(head, cfg.vocab_size)
@@ -164,8 +164,19 @@ class CloverProposer(MedusaProposer):
                 module.clover_trunk = True  # tree_verify's attention hook leaves these alone
         if self.tree is not None:
             self._check_tree_support(target_model)
-        if self.options.get("datastore"):
-            self.datastore = load_datastore(self.options["datastore"], cfg.vocab_size)
+            self._bind_tree_context(target_model)
+        if self.options.datastore:
+            self.datastore = load_datastore(self.options.datastore, cfg.vocab_size)
+
+    def _bind_tree_context(self, target_model: nn.Module) -> None:
+        """Give every target attention layer this engine's :class:`TreeStepContext`: the
+        attention hook (runner_hooks ``wrap_tree_attention``) gets the layer from vLLM and
+        reads the step's plan there. Clover's trunk layers are not in the target model."""
+        from vllm.model_executor.layers.attention import Attention
+
+        for module in target_model.modules():
+            if isinstance(module, Attention):
+                module.clover_tree_context = self.tree_context
 
     def _check_tree_support(self, target_model: nn.Module) -> None:
         """Refuse at start-up what tree verification cannot do right: an attention backend
@@ -260,7 +271,7 @@ class CloverProposer(MedusaProposer):
     def _chain_length(self, b: int, k: int) -> int:
         """Chain length when the batch's token budget has no room for a tree."""
         depth = self.model.config.num_heads if self.tree == DYNAMIC else self.tree.max_depth
-        return max(1, min(depth, k, self.options["tree_token_budget"] // b - 1))
+        return max(1, min(depth, k, self.options.tree_token_budget // b - 1))
 
     def _draft_tree(self, runner: Any, z_last: Tensor, first: Tensor, b: int, k: int,
                     last_positions: Tensor) -> list[list[int]] | None:
@@ -275,41 +286,63 @@ class CloverProposer(MedusaProposer):
         (``chain_only_reason``) get its top-1 spine as a chain. Returns one draft list per
         request and remembers each tree (``tree_drafts``). The draft log (``records``) gets
         the spine, which equals chain drafting of the same depth."""
+        shape = self._tree_shape(b, k)
+        if shape is None:
+            return None
+        tree, lookup, leaf = shape
+        drafted, parents = self._expand_tree(z_last, first, tree, b)
+        return self._request_drafts(runner, drafted, parents, lookup, leaf, last_positions)
 
-        def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
-            state, o = self.model.head_step(state, prev, i)
-            return state, self._draft_logits(o)
-
-        token_budget = self.options["tree_token_budget"]
-        lookup = self.options["prompt_lookup_tokens"]
+    def _tree_shape(self, b: int, k: int) -> tuple[StaticTree | int, int, int] | None:
+        """This step's tree (the static tree, or the dynamic tree's node budget per request)
+        and the prompt-lookup and per-leaf lookup tokens that fit beside it; None when the
+        step only has room for a chain and no lookup token (vLLM verifies that chain)."""
+        token_budget = self.options.tree_token_budget
+        lookup = self.options.prompt_lookup_tokens
         if self.tree == DYNAMIC:
-            budget = dynamic_budget(b, token_budget, max(1, min(k - lookup, self.options["dynamic_tree_nodes"])))
+            tree = budget = dynamic_budget(b, token_budget, max(1, min(k - lookup, self.options.dynamic_tree_nodes)))
             is_chain = budget <= 1
         else:
             tree = select_tree(self.tree, b, token_budget, max(1, k - lookup))
             budget, is_chain = tree.num_nodes, tree.num_nodes == tree.max_depth
         # Prompt lookup fills the verify tokens the tree leaves (lookup.py, tree first), then
-        # the leaf lookups if all of them fit; without any a chain is verified by vLLM's code.
+        # the leaf lookups if all of them fit.
         room = min(k, token_budget // b - 1) - budget
         lookup = max(0, min(lookup, room))
-        leaf = self.options["leaf_lookup_tokens"] if self.tree != DYNAMIC else 0
+        leaf = self.options.leaf_lookup_tokens if self.tree != DYNAMIC else 0
         if leaf and (not lookup or leaf * tree.retrieve_paths.shape[0] > room - lookup):
             leaf = 0
         if is_chain and not lookup:
             return None
+        return tree, lookup, leaf
+
+    def _expand_tree(self, z_last: Tensor, first: Tensor, tree: StaticTree | int,
+                     b: int) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+        """The heads' tree of every request: node tokens (BFS order, root excluded) and
+        parent pointers (root first). ``tree``: a static tree, or the dynamic tree's budget."""
+
+        def head(state: Tensor, prev: Tensor, i: int) -> tuple[Tensor, Tensor]:
+            state, o = self.model.head_step(state, prev, i)
+            return state, self._draft_logits(o)
+
         if self.tree == DYNAMIC:
-            dt = build_dynamic_tree(head, z_last, first, budget, self.model.config.num_heads,
+            dt = build_dynamic_tree(head, z_last, first, tree, self.model.config.num_heads,
                                     vocab_ids=self.draft_ids)
             counts = dt.buffers.num_nodes.tolist()
             parents = [tuple(p[:c]) for p, c in zip(dt.buffers.parent.tolist(), counts)]
-            drafted = [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)]
-        else:
-            def topk(logits: Tensor, n: int) -> tuple[Tensor, None]:
-                local = logits.topk(n, dim=-1).indices
-                return (local if self.draft_ids is None else self.draft_ids[local]), None
+            return [t[1:c] for t, c in zip(dt.tokens.tolist(), counts)], parents
 
-            drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
-            parents = [tuple(tree.parent.tolist())] * b
+        def topk(logits: Tensor, n: int) -> tuple[Tensor, None]:
+            local = logits.topk(n, dim=-1).indices
+            return (local if self.draft_ids is None else self.draft_ids[local]), None
+
+        drafted = expand_static_tree(head, z_last, first, tree, topk).tokens[:, 1:].tolist()
+        return drafted, [tuple(tree.parent.tolist())] * b
+
+    def _request_drafts(self, runner: Any, drafted: list[list[int]], parents: list[tuple[int, ...]],
+                        lookup: int, leaf: int, last_positions: Tensor) -> list[list[int]]:
+        """Per request: its tree with the lookup tokens grafted in (remembered in
+        ``tree_drafts``), or its spine where it must draft a chain."""
         batch = runner.input_batch
         table: dict[str, tuple[list[int], tuple[int, ...]]] = {}
         out, spines = [], []
@@ -335,14 +368,14 @@ class CloverProposer(MedusaProposer):
         self.tree_drafts = table
         if self.records is not None:
             depth = min(len(t) for t in spines)
-            self._record(runner.input_batch, last_positions, torch.tensor([t[:depth] for t in spines]))
+            self._record(batch, last_positions, torch.tensor([t[:depth] for t in spines]))
         return out
 
     def _retrieve(self, committed: np.ndarray, k: int) -> np.ndarray:
         """Up to ``k`` retrieval tokens after ``committed``: prompt lookup, else the datastore."""
         o = self.options
-        return retrieval_chain(committed, k, o["prompt_lookup_min"], o["prompt_lookup_max"], self.datastore,
-                               o["datastore_min_confidence"])
+        return retrieval_chain(committed, k, o.prompt_lookup_min, o.prompt_lookup_max, self.datastore,
+                               o.datastore_min_confidence)
 
     def _record(self, batch: Any, last_positions: Tensor, drafts: Tensor) -> None:
         """Log (req_id, committed tokens, drafts) for every request whose whole committed
@@ -391,7 +424,7 @@ class CloverProposer(MedusaProposer):
         and resamples from max(0, p-q): exactly the target distribution, higher acceptance
         than one-hot drafts when the heads are good.
         """
-        sample = self.options["draft_sampling"] == "sample" and not sampling_metadata.all_greedy
+        sample = self.options.draft_sampling == "sample" and not sampling_metadata.all_greedy
         if sample:
             temp = sampling_metadata.temperature[:b].to(torch.float32)
             greedy = temp == GREEDY_TEMPERATURE
@@ -431,14 +464,14 @@ class CloverProposer(MedusaProposer):
             return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
         # draft_dtype (cpu_linear.py): the products in bfloat16 halve the bytes drafting streams.
         # Without a reduced draft vocabulary the heads keep the target's own (float32) LM head.
-        self.matmul_dtype = draft_matmul_dtype(self.options["draft_dtype"], self.dtype)
+        self.matmul_dtype = draft_matmul_dtype(self.options.draft_dtype, self.dtype)
         compute = None if self.matmul_dtype == self.dtype else self.matmul_dtype
         packed = pack_linears(self.model.drafter, compute)
         if compute is not None:
             packed += repack_vllm_linears(aug_weights, compute)
         draft_lm_head = None if self.draft_weight is None else drafter_product(self.draft_weight, compute_dtype=compute)
         logger.info("vllm-clover: drafter products in %s (draft_dtype=%s), %d linears repacked, draft LM head: %s",
-                    str(self.matmul_dtype).removeprefix("torch."), self.options["draft_dtype"], packed,
+                    str(self.matmul_dtype).removeprefix("torch."), self.options.draft_dtype, packed,
                     type(draft_lm_head).__name__ if draft_lm_head is not None else "the target's")
         if draft_lm_head is not None:
             return draft_lm_head

@@ -63,7 +63,7 @@ def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
             from vllm_clover.engine.tree_verify import CloverRejectionSampler
 
             self.rejection_sampler = CloverRejectionSampler(
-                self.rejection_sampler, functools.partial(target_kv_layers, vllm_config))
+                self.rejection_sampler, functools.partial(target_kv_layers, vllm_config), self.drafter.tree_context)
 
     return __init__
 
@@ -78,14 +78,11 @@ def wrap_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                         sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                         common_attn_metadata, slot_mappings)
-        from vllm_clover.engine.tree_verify import active_step, set_active_step
-
         self._draft_probs = None
         self._draft_prob_req_ids = None
         # The target pass of this step is over: its tree plan goes to the drafter (accepted
         # paths) and must not reach the trunk's attention.
-        tree_step = active_step()
-        set_active_step(None)
+        tree_step = self.drafter.tree_context.take()
         drafts, probs = self.drafter.propose_clover(
             self, scheduler_output, sampled_token_ids, sampling_metadata, aux_hidden_states,
             common_attn_metadata, slot_mappings, tree_step)
@@ -125,9 +122,9 @@ def wrap_prepare_inputs(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, scheduler_output, *args, **kwargs)
         if getattr(getattr(self, "drafter", None), "tree", None) is not None:
-            from vllm_clover.engine.tree_verify import plan_tree_step, set_active_step
+            from vllm_clover.engine.tree_verify import plan_tree_step
 
-            set_active_step(plan_tree_step(self, scheduler_output))
+            self.drafter.tree_context.publish(plan_tree_step(self, scheduler_output))
         return result
 
     return _prepare_inputs
@@ -146,9 +143,10 @@ def wrap_tree_attention(orig: Callable[..., Any], skip_covered: bool = False) ->
     @functools.wraps(orig)
     def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_clover.engine.tree_verify import active_step, tree_attention_rows
+        from vllm_clover.engine.tree_verify import tree_attention_rows
 
-        step = active_step()
+        context = getattr(layer, "clover_tree_context", None)  # bound by CloverProposer.load_model
+        step = None if context is None else context.step
         if (step is None or attn_metadata is None or attn_metadata.num_actual_tokens != step.num_tokens
                 or getattr(layer, "clover_trunk", False) or self.attn_type != "decoder"):
             return orig(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)

@@ -81,7 +81,7 @@ class TreeRequest:
 
 @dataclass
 class TreeStep:
-    """The tree requests of one engine step; module-level while the target runs."""
+    """The tree requests of one engine step (held by a :class:`TreeStepContext`)."""
 
     num_tokens: int
     requests: list[TreeRequest]
@@ -99,16 +99,27 @@ class TreeStep:
         return sum(r.buffers.width for r in self.requests) == self.num_tokens
 
 
-_ACTIVE: TreeStep | None = None
+class TreeStepContext:
+    """The tree plan of the engine step in flight (None: no tree request in it), one per
+    Clover engine, owned by its ``CloverProposer`` (``tree_context``).
 
+    Published after ``_prepare_inputs`` (:func:`plan_tree_step`), read during the target
+    pass by the attention hook and by :class:`CloverRejectionSampler`, and taken (cleared)
+    when drafting starts, so the trunk's attention never sees it. vLLM calls an attention
+    impl with its layer and the tensors only (its ``ForwardContext`` has no slot for plugin
+    data), so the proposer binds the context to every target attention layer
+    (``layer.clover_tree_context``) at load time."""
 
-def active_step() -> TreeStep | None:
-    return _ACTIVE
+    def __init__(self, step: TreeStep | None = None) -> None:
+        self.step = step
 
+    def publish(self, step: TreeStep | None) -> None:
+        self.step = step
 
-def set_active_step(step: TreeStep | None) -> None:
-    global _ACTIVE
-    _ACTIVE = step
+    def take(self) -> TreeStep | None:
+        """This step's plan, cleared from the context."""
+        step, self.step = self.step, None
+        return step
 
 
 def plan_tree_step(runner: Any, scheduler_output: Any) -> TreeStep | None:
@@ -276,8 +287,8 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
         blk, off = r.kv_index
         k = key_cache[blk, off]  # [L, Hkv, D]
         v = value_cache[blk, off]
-        # GQA: query head h reads KV head h // group; one bmm per KV head (measured 2x faster
-        # here than SDPA with enable_gqa and a bool mask, which takes the math path).
+        # GQA: query head h reads KV head h // group; one bmm per KV head, not SDPA with
+        # enable_gqa and a bool mask (its math path): 2x faster (docs/tree-verification.md).
         q = query[rows].view(n1, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n1 * group, d)
         scores = torch.baddbmm(r.attn_mask, q, k.permute(1, 2, 0), alpha=impl.scale)
         o = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))  # [Hkv, n1*group, D]
@@ -345,8 +356,8 @@ def rows_argmax(logits: Tensor) -> Tensor:
     """The target's greedy token at every logits row [R, V] -> int64 [R] on the CPU.
 
     ``max(-1).indices`` is argmax (first maximal index, NaN wins: the same rule) at a third
-    of argmax's time on the CPU; the C++ kernel is 4-8x faster again (20 x 49,152 bf16
-    logits: 0.05 vs 0.37 ms on a 2-core Xeon, vllm_clover/kernels/tree_attention_cpu.rows_argmax_cpu).
+    of argmax's time on the CPU; the C++ kernel (``kernels.tree_attention_cpu.rows_argmax_cpu``)
+    is 4-8x faster again (docs/tree-verification.md).
     """
     if logits.device.type == "cpu" and logits.stride(-1) == 1 and cpu_kernel_enabled():
         return rows_argmax_cpu(logits)
@@ -359,11 +370,10 @@ class CloverRejectionSampler(torch.nn.Module):
     A step in which no request drafted (drafting off at this batch size:
     ``disable_by_batch_size``) goes to vLLM's plain ``Sampler``, as a non-speculative engine
     runs: vLLM 0.32 builds spec-decode metadata and runs its rejection sampler on every step
-    of a speculative engine, drafts or not, which at batch 32 on the CPU costs 3.3 ms per
-    step against the plain sampler's 1.2 ms (it samples the bonus rows with full-vocabulary
-    logits kept for logprobs). Other steps without tree requests go to vLLM's rejection
-    sampler. Otherwise each tree request
-    picks its accepted path here (greedy: :func:`tree.greedy_accept`; temperature > 0:
+    of a speculative engine, drafts or not, at about three times the plain sampler's cost
+    (it samples the bonus rows with full-vocabulary logits kept for logprobs;
+    docs/tree-verification.md). Other steps without tree requests go to vLLM's rejection
+    sampler. Otherwise each tree request picks its accepted path here (greedy: :func:`tree.greedy_accept`; temperature > 0:
     :func:`tree.sample_accept`, one-hot rule, lossless for top-k candidates), its target KV
     is compacted, and vLLM's sampler then runs on every request with tree requests reduced
     to their accepted path as a chain: for greedy rows it reproduces the same tokens, for
@@ -371,9 +381,10 @@ class CloverRejectionSampler(torch.nn.Module):
     requests, penalties, roll-back and metrics therefore stay vLLM's.
     """
 
-    def __init__(self, inner: torch.nn.Module, kv_layers: Any) -> None:
+    def __init__(self, inner: torch.nn.Module, kv_layers: Any, context: TreeStepContext | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self.context = context if context is not None else TreeStepContext()  # this engine's tree plan
         self._kv_layers = kv_layers  # () -> list of (impl, kv_cache, CPU isa or None), target layers
         self._layers: list[tuple[Any, Tensor, str | None]] | None = None  # built once (bound at start-up)
         self._isa: str | None = None  # their CPU attention ISA (one for all), with _layers
@@ -381,7 +392,7 @@ class CloverRejectionSampler(torch.nn.Module):
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
                 sampling_metadata: Any) -> Any:
-        step = active_step()
+        step = self.context.step
         if step is None:
             if not any(metadata.num_draft_tokens):
                 # One logits row per request, nothing to verify: the same tokens and
@@ -446,8 +457,7 @@ class CloverRejectionSampler(torch.nn.Module):
         ``rejection_sample``). vLLM's rejection sampler would take the same drafts (the target's
         argmax matched each) and give the same bonus; the bonus still comes from vLLM's
         ``Sampler`` (logit_bias and other bonus-only processors stay vLLM's). Saves the
-        re-gather, float copy and rejection pass of the chained logits (~1-2 ms per step at
-        batch 1 on the CPU)."""
+        re-gather, float copy and rejection pass of the chained logits (docs/tree-verification.md)."""
         from vllm.v1.outputs import SamplerOutput
 
         reqs = [step.by_index[i] for i in range(len(row0) - 1)]

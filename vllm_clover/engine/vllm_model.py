@@ -28,7 +28,7 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer
 
 from vllm_clover.model.checkpoint import CloverCheckpointError
 from vllm_clover.model.config import CloverConfig, CloverConfigError
-from vllm_clover.engine.frontend import clover_options
+from vllm_clover.engine.options import CloverOptions
 from vllm_clover.model.drafter import CloverDrafter
 
 # HF checkpoint names -> vLLM's fused parameters (param suffix, checkpoint suffix, shard).
@@ -90,9 +90,9 @@ def run_custom_ops_natively(module: nn.Module) -> int:
 
     Why: when the target is compiled (``vllm serve``'s default), vLLM disables custom ops
     and wraps each one's ``forward_native`` in ``torch.compile``. The drafter runs eagerly,
-    so every call of such an op pays a compiled region's guards and wrappers: 215 us per
-    SiluAndMul and 115 per rotary call on a 2-core Xeon in bf16 (trunk 2.98 -> 2.47 ms per
-    step with this). Eager engines dispatch the same kernels already (custom ops enabled).
+    so every call of such an op pays a compiled region's guards and wrappers: the trunk is
+    17% faster with this (docs/tree-verification.md). Eager engines dispatch the same kernels
+    already (custom ops enabled).
     Catalogue entry ``drafter-custom-ops-eager``."""
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -113,10 +113,9 @@ def _cpu_rms_norm_forward(norm: Any) -> Any:
     ``fused_add_rms_norm``, what its CUDA forward calls), or None where they do not apply.
 
     Why: RMSNorm has no ``forward_cpu``; its ``forward_native`` goes through vLLM's IR op
-    dispatch, whose C implementation is registered for GPUs only, to 7 PyTorch ops: 21-34 us
-    a call for a few rows of 576 against 4-8 us for the C kernel (2-core Xeon, float32 and
-    bf16). Same math (float accumulation; in bf16 the weight multiply rounds once instead of
-    twice)."""
+    dispatch, whose C implementation is registered for GPUs only, to 7 PyTorch ops, about 5x
+    the C kernel's time for a few rows (docs/tree-verification.md). Same math (float
+    accumulation; in bf16 the weight multiply rounds once instead of twice)."""
     if (not norm.has_weight or norm.variance_size_override is not None
             or not hasattr(torch.ops._C, "rms_norm") or not hasattr(torch.ops._C, "fused_add_rms_norm")):
         return None
@@ -153,11 +152,11 @@ class CloverForSpeculativeDecoding(nn.Module):
         super().__init__()
         draft_hf = vllm_config.speculative_config.draft_model_config.hf_config
         self.config = clover_config_from_hf(draft_hf)
-        options = clover_options(vllm_config)
-        if options.get("tree"):
+        options = CloverOptions.from_vllm_config(vllm_config)
+        if options.tree:
             # vLLM set num_heads to num_speculative_tokens, which is the tree's node count in
             # tree mode; the drafter keeps every head of the checkpoint (one per depth).
-            self.config = dataclasses.replace(self.config, num_heads=options["checkpoint_num_heads"])
+            self.config = dataclasses.replace(self.config, num_heads=options.checkpoint_num_heads)
         target = vllm_config.model_config
         first = target.hf_text_config.num_hidden_layers
         layer_cfg = aug_layer_config(self.config, target.max_model_len)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_clover.model.checkpoint import CloverCheckpointError
-from vllm_clover.engine.frontend import TREE_TOKEN_BUDGET, CloverSpecError
+from vllm_clover.engine.options import TREE_TOKEN_BUDGET, CloverSpecError
 
 
 def _engine_config(model_dir: Path, spec: dict, **kw):
@@ -203,9 +203,9 @@ def test_draft_dtype_option_errors(default_model_dir, clover_ckpt_dir, monkeypat
                                            "draft_dtype": "float16"})
     _one_line_error(excinfo, "draft_dtype='float16'", "'bfloat16'")
     # On a GPU the drafter runs in the model's dtype: an explicit choice is refused.
-    import vllm_clover.engine.frontend as frontend
+    import vllm_clover.engine.options as options
 
-    monkeypatch.setattr(frontend, "_on_cpu", lambda: False)
+    monkeypatch.setattr(options, "_on_cpu", lambda: False)
     with pytest.raises(CloverSpecError) as excinfo:
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
                                            "draft_dtype": "bfloat16"})
@@ -390,9 +390,10 @@ def test_worker_side_options_default_to_the_device_tree_budget() -> None:
     """A config the front end never stashed options in still gets a usable budget."""
     from types import SimpleNamespace
 
-    from vllm_clover.engine.frontend import clover_options
+    from vllm_clover.engine.options import CloverOptions
 
-    assert clover_options(SimpleNamespace(additional_config=None))["tree_token_budget"] == TREE_TOKEN_BUDGET["cpu"]
+    options = CloverOptions.from_vllm_config(SimpleNamespace(additional_config=None))
+    assert options.tree_token_budget == TREE_TOKEN_BUDGET["cpu"]
 
 
 def test_tree_over_budget_warns_at_start_up(default_model_dir, clover_ckpt_dir, caplog) -> None:

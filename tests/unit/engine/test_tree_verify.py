@@ -267,7 +267,7 @@ def test_hook_on_vllm_cpu_attention(with_chain: bool, dtype, isa, monkeypatch) -
     from vllm.v1.attention.backends import cpu_attn
 
     from vllm_clover.patches.runner import install_tree_attention
-    from vllm_clover.engine.tree_verify import set_active_step
+    from vllm_clover.engine.tree_verify import TreeStepContext
 
     install_tree_attention()
     calls = []
@@ -306,13 +306,10 @@ def test_hook_on_vllm_cpu_attention(with_chain: bool, dtype, isa, monkeypatch) -
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
     impl = cpu_attn.CPUAttentionBackendImpl(hq, d, 1 / math.sqrt(d), hkv, None, None, "auto")
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=isa)
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, isa=isa,
+                            clover_tree_context=TreeStepContext(TreeStep(num_tokens=t, requests=[tree_req])))
     output = torch.full((t, hq * d), 7.0, dtype=dtype)
-    set_active_step(TreeStep(num_tokens=t, requests=[tree_req]))
-    try:
-        impl.forward(layer, query, None, None, kv, meta, output)
-    finally:
-        set_active_step(None)
+    impl.forward(layer, query, None, None, kv, meta, output)
     assert len(calls) == (1 if with_chain else 0)
     for (row, prefix, rows), k, v, start in zip(reqs, ks, vs, qsl):
         mask = torch.ones(rows, prefix + rows, dtype=torch.bool).tril(prefix)
@@ -399,7 +396,7 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
     """Request 0 verifies TREE, request 1 a 2-token chain (vLLM's own rules), request 2 has
     no drafts. The tree row equals greedy_accept; the chain row equals vLLM's sampler on
     the chain alone; the accepted nodes' KV moved to the contiguous slots."""
-    from vllm_clover.engine.tree_verify import CloverRejectionSampler, set_active_step
+    from vllm_clover.engine.tree_verify import CloverRejectionSampler, TreeStepContext
 
     torch.manual_seed(1)
     vocab = 50
@@ -413,13 +410,9 @@ def test_greedy_tree_batch_with_a_chain_request(vllm_sampler) -> None:
     cache = _Cache()
     step = TreeStep(num_tokens=n1 + 3 + 1, requests=[_tree_step(0, 0, 10, n1)])
     before_k, before_v = cache.rows([10 + 2, 10 + 6])
-    set_active_step(step)
-    try:
-        sampler = CloverRejectionSampler(vllm_sampler, cache.layers)
-        out = sampler(_runner_metadata([tree_tokens, [5, 9], []]), None, logits.clone(),
-                      _sampling_metadata([0.0, 0.0, 0.0]))
-    finally:
-        set_active_step(None)
+    sampler = CloverRejectionSampler(vllm_sampler, cache.layers, TreeStepContext(step))
+    out = sampler(_runner_metadata([tree_tokens, [5, 9], []]), None, logits.clone(),
+                  _sampling_metadata([0.0, 0.0, 0.0]))
     got = out.sampled_token_ids.tolist()
     ref = greedy_accept(torch.tensor([[0] + tree_tokens]), logits[:n1].argmax(-1)[None], TREE.buffers(1))
     assert got[0][:3] == ref.output_tokens[0].tolist()[:3] == [12, 23, 40]
@@ -435,7 +428,7 @@ def test_all_greedy_tree_batch_skips_the_rejection_sampler(vllm_sampler) -> None
     """Every request a greedy tree request, no logits processing: the output is built
     directly (vLLM's rejection sampler is not called) and equals greedy_accept per request:
     accepted drafts, then the bonus, -1 padded to the longest accepted path + 1."""
-    from vllm_clover.engine.tree_verify import CloverRejectionSampler, set_active_step
+    from vllm_clover.engine.tree_verify import CloverRejectionSampler, TreeStepContext
 
     torch.manual_seed(5)
     n1 = TREE.num_nodes + 1
@@ -447,12 +440,8 @@ def test_all_greedy_tree_batch_skips_the_rejection_sampler(vllm_sampler) -> None
     step = TreeStep(num_tokens=2 * n1, requests=[_tree_step(0, 0, 10, n1), _tree_step(1, n1, 30, n1)])
 
     spy = _SamplerSpy(vllm_sampler)
-    set_active_step(step)
-    try:
-        out = CloverRejectionSampler(spy, cache.layers)(_runner_metadata(trees), None, logits.clone(),
-                                                         _sampling_metadata([0.0, 0.0]))
-    finally:
-        set_active_step(None)
+    out = CloverRejectionSampler(spy, cache.layers, TreeStepContext(step))(
+        _runner_metadata(trees), None, logits.clone(), _sampling_metadata([0.0, 0.0]))
     assert spy.calls == 0
     assert out.sampled_token_ids.dtype == torch.int32 and out.logprobs_tensors is None
     for i, tokens in enumerate(trees):
@@ -465,18 +454,14 @@ def test_all_greedy_tree_batch_skips_the_rejection_sampler(vllm_sampler) -> None
 def test_truncated_tree_prefix(vllm_sampler) -> None:
     """The scheduler may send back only a BFS prefix of the drafts; the plan and the
     sampler then verify that prefix (still a tree, ancestor-closed)."""
-    from vllm_clover.engine.tree_verify import CloverRejectionSampler, set_active_step
+    from vllm_clover.engine.tree_verify import CloverRejectionSampler, TreeStepContext
 
     n1 = 5  # nodes 0..4: root, three depth-1 children, (0, 0)
     logits = torch.randn(n1, 20)
     logits[0, 3] = logits[1, 7] = logits[4, 9] = 30.0
     step = TreeStep(num_tokens=n1, requests=[_tree_step(0, 0, 4, n1)])
-    set_active_step(step)
-    try:
-        out = CloverRejectionSampler(vllm_sampler, _Cache().layers)(
-            _runner_metadata([[3, 5, 6, 7]]), None, logits, _sampling_metadata([0.0]))
-    finally:
-        set_active_step(None)
+    out = CloverRejectionSampler(vllm_sampler, _Cache().layers, TreeStepContext(step))(
+        _runner_metadata([[3, 5, 6, 7]]), None, logits, _sampling_metadata([0.0]))
     assert out.sampled_token_ids[0].tolist()[:3] == [3, 7, 9]
     assert step.requests[0].path == [0, 1, 4]
 
@@ -486,7 +471,7 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
     each follows softmax(logits / 0.7) at the root (TV < 0.03 over 6000 requests; sampling noise
     alone gives about 0.011), although
     the drafts are the target's top-3 (drafts alone would be far off)."""
-    from vllm_clover.engine.tree_verify import CloverRejectionSampler, set_active_step
+    from vllm_clover.engine.tree_verify import CloverRejectionSampler, TreeStepContext
 
     torch.manual_seed(2)
     vocab, b, temp = 8, 6000, 0.7
@@ -503,12 +488,8 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
     drafts = [[0, 1, 2, 3]] * b + [[]]
     step = TreeStep(num_tokens=logits.shape[0],
                     requests=[_tree_step(i, i * n1, 100, n1, small) for i in range(b)])
-    set_active_step(step)
-    try:
-        out = CloverRejectionSampler(vllm_sampler, _Cache(slots=256).layers)(
-            _runner_metadata(drafts), None, logits, _sampling_metadata([temp] * b + [0.0]))
-    finally:
-        set_active_step(None)
+    out = CloverRejectionSampler(vllm_sampler, _Cache(slots=256).layers, TreeStepContext(step))(
+        _runner_metadata(drafts), None, logits, _sampling_metadata([temp] * b + [0.0]))
     first = out.sampled_token_ids[:b, 0]
     freq = torch.bincount(first, minlength=vocab).float() / b
     target = torch.softmax(root_logits / temp, -1)
@@ -525,20 +506,16 @@ def test_sampled_tree_rows_follow_the_target_distribution(vllm_sampler) -> None:
 def test_logprobs_of_a_chain_request_next_to_a_tree(vllm_sampler) -> None:
     """A logprobs request (always a chain) in a tree step gets the logprobs vLLM's sampler
     computes for it alone."""
-    from vllm_clover.engine.tree_verify import CloverRejectionSampler, set_active_step
+    from vllm_clover.engine.tree_verify import CloverRejectionSampler, TreeStepContext
 
     torch.manual_seed(3)
     n1 = TREE.num_nodes + 1
     logits = torch.randn(n1 + 3, 30)
     logits[n1, 4] = 30.0
     step = TreeStep(num_tokens=n1 + 3, requests=[_tree_step(0, 0, 0, n1)])
-    set_active_step(step)
-    try:
-        out = CloverRejectionSampler(vllm_sampler, _Cache().layers)(
-            _runner_metadata([list(range(1, n1)), [4, 5]]), None, logits.clone(),
-            _sampling_metadata([0.0, 0.0], logprobs=2))
-    finally:
-        set_active_step(None)
+    out = CloverRejectionSampler(vllm_sampler, _Cache().layers, TreeStepContext(step))(
+        _runner_metadata([list(range(1, n1)), [4, 5]]), None, logits.clone(),
+        _sampling_metadata([0.0, 0.0], logprobs=2))
     alone = vllm_sampler(_runner_metadata([[4, 5]]), None, logits[n1:].clone(), _sampling_metadata([0.0], logprobs=2))
     got = out.logprobs_tensors
     a = alone.logprobs_tensors
@@ -597,8 +574,6 @@ def test_trunk_view_keeps_accepted_paths_only() -> None:
 
 
 def test_chain_view_metadata() -> None:
-    from vllm_clover.engine.proposer import _chain_view_metadata
-
     """vLLM's CommonAttentionMetadata cut to a trunk view: request 0 keeps its 4 rows
     (sequence length 20), request 1 (scheduled 8 rows, sequence 58) keeps 3: length 53."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -649,7 +624,7 @@ def test_chain_only_reasons() -> None:
 def test_tree_option_translation(tmp_path) -> None:
     """``tree`` in the speculative config: K becomes the node count, the depth must fit the
     checkpoint's heads, bad values are one-line errors."""
-    from vllm_clover.engine.frontend import CloverSpecError, tree_option
+    from vllm_clover.engine.options import CloverSpecError, tree_option
 
     assert tree_option(None, 5) is None and tree_option("chain", 5) is None
     assert tree_option("mc_sim_7b_63", 5).num_nodes == 25
