@@ -78,11 +78,7 @@ def load_drafter(directory: str | os.PathLike, target_config: Any = None, device
     right away (see ``CloverDrafter.bind_target``). Returns the drafter in eval mode.
     """
     directory = Path(directory)
-    config = load_config(directory)
-    if target_config is not None:
-        problem = config.target_mismatch(target_config)
-        if problem:
-            raise CloverCheckpointError(f"checkpoint {directory} {problem}")
+    config = _config_for_target(directory, target_config)
     state = _read_safetensors(directory / WEIGHTS_NAME)
     drafter = _drafter_from_state(config, state, str(directory / WEIGHTS_NAME))
     drafter = drafter.to(device=device, dtype=dtype).eval()
@@ -112,26 +108,39 @@ def validate_checkpoint(directory: str | os.PathLike, target_config: Any = None)
     traceback. Raises :class:`CloverCheckpointError`.
     """
     directory = Path(directory)
+    config = _config_for_target(directory, target_config)
+    path = directory / WEIGHTS_NAME
+    shapes = _safetensors_header_shapes(path)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in CloverDrafter(config).state_dict().items()}
+    _check_tensor_shapes(expected, shapes, str(path))
+    return config
+
+
+def _config_for_target(directory: Path, target_config: Any) -> CloverConfig:
+    """``load_config``, refusing a hidden_size / vocab_size mismatch with ``target_config``."""
     config = load_config(directory)
     if target_config is not None:
         problem = config.target_mismatch(target_config)
         if problem:
             raise CloverCheckpointError(f"checkpoint {directory} {problem}")
-    path = directory / WEIGHTS_NAME
-    shapes = _safetensors_header_shapes(path)
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in CloverDrafter(config).state_dict().items()}
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expected))
-    if missing:
-        raise CloverCheckpointError(f"{path}: missing key(s) {_short(missing)}")
-    if unexpected:
-        raise CloverCheckpointError(f"{path}: unexpected key(s) {_short(unexpected)}")
-    for name, shape in expected.items():
-        if shapes[name] != shape:
-            raise CloverCheckpointError(
-                f"{path}: tensor {name} has shape {shapes[name]}, config.json implies {shape}")
     return config
+
+
+def _check_tensor_shapes(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]],
+                         source: str) -> None:
+    """Refuse missing, unexpected or wrongly shaped tensors: ``found`` must hold exactly the
+    names of ``expected`` (what config.json implies), each with its shape."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        raise CloverCheckpointError(f"{source}: missing key(s) {_short(missing)}")
+    if unexpected:
+        raise CloverCheckpointError(f"{source}: unexpected key(s) {_short(unexpected)}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CloverCheckpointError(
+                f"{source}: tensor {name} has shape {found[name]}, config.json implies {shape}")
 
 
 def _safetensors_header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -184,18 +193,8 @@ def _drafter_from_state(config: CloverConfig, state: Mapping[str, torch.Tensor],
     """Build the drafter without random init (meta device) and assign ``state`` strictly."""
     with torch.device("meta"):
         drafter = CloverDrafter(config)
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        raise CloverCheckpointError(f"{source}: missing key(s) {_short(missing)}")
-    if unexpected:
-        raise CloverCheckpointError(f"{source}: unexpected key(s) {_short(unexpected)}")
-    for name, ref in expected.items():
-        if tuple(state[name].shape) != tuple(ref.shape):
-            raise CloverCheckpointError(
-                f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
-                f"config.json implies {tuple(ref.shape)}")
+    expected = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    _check_tensor_shapes(expected, {k: tuple(v.shape) for k, v in state.items()}, source)
     drafter.load_state_dict(dict(state), strict=True, assign=True)
     return drafter
 
@@ -212,7 +211,7 @@ def convert_official(src_dir: str | os.PathLike, out_dir: str | os.PathLike,
 
     src_dir holds the official ``config.json`` (the Llama-shaped draft config plus a
     ``"clover": {"num_heads", "num_layers", ...}`` dict) and ``model.safetensors`` or
-    ``pytorch_model.bin`` with ``Clover2Model`` keys (see model.py's table).
+    ``pytorch_model.bin`` with ``Clover2Model`` keys (see the name table in drafter.py).
     ``clover_embed_tokens`` and ``lm_head`` are dropped. The Aug-layer RoPE base is set to
     10000, which is what the official code actually uses. ``dtype`` None keeps the source
     dtype. Returns the written config.

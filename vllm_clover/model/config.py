@@ -34,7 +34,7 @@ CONFIG_NAME = "config.json"
 FORMAT_VERSION = 1
 VARIANTS = ("clover2", "clover")
 # RoPE base of the Augmenting Block. The official code builds LlamaRotaryEmbedding with
-# its default base and ignores the target's rope_theta (doc section 1.3), so a
+# its default base and ignores the target's rope_theta, so a
 # checkpoint-compatible drafter uses 10000 whatever the target says.
 OFFICIAL_ROPE_THETA = 10000.0
 

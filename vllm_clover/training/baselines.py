@@ -56,7 +56,7 @@ from torch import nn
 
 from vllm_clover.model.config import ARCHITECTURE as CLOVER_ARCHITECTURE
 from vllm_clover.model.config import CONFIG_NAME, CloverConfig, read_json_dict
-from vllm_clover.model.drafter import AugmentingLayer, build_attention_mask, rope_cos_sin
+from vllm_clover.model.layers import AugmentingLayer, build_attention_mask, rope_cos_sin
 
 Tensor = torch.Tensor
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: (k, v), each [B, n_kv, S, head_dim]

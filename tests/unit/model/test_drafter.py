@@ -1,4 +1,4 @@
-"""Tests of the pure-PyTorch Clover drafter (vllm_clover.model.drafter). Tiny shapes, CPU only."""
+"""Tests of the pure-PyTorch Clover drafter (vllm_clover.model.drafter, .layers). Tiny shapes, CPU only."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ import torch.nn.functional as F
 
 from vllm_clover.model.config import CloverConfig
 from vllm_clover.model.drafter import (
-    AttentionDecoder,
-    AugmentingLayer,
     CloverDrafter,
     build_drafter,
     clover_loss,
     init_from_target,
     match_token_value_scale,
-    rope_cos_sin,
 )
+from vllm_clover.model.layers import AttentionDecoder, AugmentingLayer, rope_cos_sin
 
 H, V, B, T = 64, 128, 2, 12
 VARIANTS = ("clover2", "clover")
@@ -95,7 +93,7 @@ def test_target_weights_not_parameters():
         CloverDrafter(tiny_config()).embed_weight
 
 
-# ---------------------------------------------------------------------------- init (doc 1.6)
+# ---------------------------------------------------------------------------- init
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_attention_decoder_near_identity_at_init(variant):
     torch.manual_seed(0)
@@ -219,7 +217,7 @@ def test_augmenting_layer_matches_hf_llama_decoder_layer():
         ref = hf_layer(x, attention_mask=additive, position_ids=pos, position_embeddings=(cos, sin))
         ref = ref[0] if isinstance(ref, tuple) else ref
         my_cos, my_sin = rope_cos_sin(pos, 16, 10000.0, x.dtype)
-        from vllm_clover.model.drafter import build_attention_mask
+        from vllm_clover.model.layers import build_attention_mask
         out, _ = ours(x, my_cos, my_sin, build_attention_mask(None, T, 0, B, x.device))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -411,7 +409,7 @@ def test_forward_train_matches_official_reference():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"head {i}")
 
 
-# ---------------------------------------------------------------------------- loss (doc 3)
+# ---------------------------------------------------------------------------- loss
 def test_clover_loss_matches_per_position_formula():
     torch.manual_seed(0)
     k = 3
