@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_CLOVER_TEST", "1")
 # vLLM's multiprocess executor on CPU puts ~400 MiB of message queues in /dev/shm; a
 # container's default 64 MiB makes every engine start fail ("Insufficient space in
-# /dev/shm"). There, run the executor in the EngineCore process (no shared memory; checked
-# with a 64 MiB /dev/shm: test_vllm_e2e and test_serve pass) and say so in the header. docs/cpu-defaults.md.
+# /dev/shm"). There, run the executor in the EngineCore process (no shared memory; the e2e
+# tests pass that way with a 64 MiB /dev/shm, docs/cpu-defaults.md) and say so in the header.
 SHM_NEEDED = 512 << 20
 SMALL_SHM_NOTE = ""
 if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
@@ -32,13 +32,14 @@ if (os.path.isdir("/dev/shm") and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.env
 
 
 def _import_kernels_interpreted() -> None:
-    """Without a GPU, import Triton and ``kernels`` with ``TRITON_INTERPRET=1``, then restore
-    the environment. Why: Triton decides when a ``@triton.jit`` function is defined whether
-    it is interpreted, for its own language functions (``tl.zeros``, ... at ``import triton``)
-    and for ours (at ``import kernels``); a test module collected before tests/unit/kernels/test_triton_kernels.py
-    that imports vLLM's ops (tests/unit/cpu/test_linear.py) imports Triton, and the interpreted
-    kernels then failed with "Cannot call @triton.jit'd outside of the scope of a kernel".
-    So this runs before any test module is collected. The variable itself must not leak into
+    """Without a GPU, import Triton and ``vllm_clover.kernels`` with ``TRITON_INTERPRET=1``,
+    then restore the environment. Why: Triton decides when a ``@triton.jit`` function is
+    defined whether it is interpreted, for its own language functions (``tl.zeros``, ... at
+    ``import triton``) and for ours (at ``import vllm_clover.kernels``). A test module collected
+    before tests/unit/kernels/test_triton_kernels.py that imports vLLM's ops
+    (tests/unit/cpu/test_linear.py) imports Triton, and the interpreted kernels would then fail
+    with "Cannot call @triton.jit'd outside of the scope of a kernel". So this runs before any
+    test module is collected. The variable itself must not leak into
     vLLM subprocesses; tests/unit/kernels/test_triton_kernels.py sets it again while its kernels run."""
     import torch
 
@@ -276,15 +277,11 @@ def sensitive_ckpt_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPat
     return out
 
 
-# Known open defects, found by these tests at the end of the first session and not yet
-# fixed. Listed in one place so they stay visible (reported as XFAIL, and as XPASS once
-# fixed, at which point the entry must go). See the session note on issue 4.
+# Known open defects: test node id -> reason. Listed in one place so they stay visible
+# (reported as XFAIL, and as XPASS once fixed, at which point the entry must go).
 KNOWN_FAILURES: dict[str, str] = {
-    # Empty: the entries once listed here (T>0 sampling and seeded chunked prefill: vLLM
-    # CPU bugs now worked around; Prometheus counters: the test read `_created` samples;
-    # hostile requests: n=10000 is valid under vLLM's default limit, now capped with
-    # VLLM_MAX_N_SEQUENCES; concurrency and CLI errors) pass; see docs/design-proposer.md,
-    # "Verification of the remaining gaps".
+    # None open; the gaps that were checked: docs/design-proposer.md, "Verification of the
+    # remaining gaps".
 }
 
 

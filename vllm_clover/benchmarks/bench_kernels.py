@@ -42,7 +42,7 @@ def paged_inputs(b: int, prefix: int, tree: str, hq: int, hkv: int, d: int, bloc
 def dense_sdpa(q, k, v, table, sl, mask):
     """Batched PyTorch baseline: gather each request's K/V rows, one masked SDPA call."""
     b, n1, hq, d = q.shape
-    block, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     length = int(sl[0]) + n1  # equal prefixes in this benchmark
     rows = k[table.long()].reshape(b, -1, hkv, d)[:, :length]
     vrows = v[table.long()].reshape(b, -1, hkv, d)[:, :length]

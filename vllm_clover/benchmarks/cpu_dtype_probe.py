@@ -1,8 +1,8 @@
 """Probe which (dtype, head size, block size) combinations vLLM's CPU attention survives.
 
 Background: on AMX machines, bf16 selects the ``amx`` attention ISA
-(``v1/attention/backends/cpu_attn.py:_get_attn_isa``), which was seen to kill the worker
-with SIGILL on 1-4 token prompts with head size 32. Each case runs in its own
+(``v1/attention/backends/cpu_attn.py:_get_attn_isa``), which can kill the worker with SIGILL
+on 1-4 token prompts with head size 32 (docs/cpu-defaults.md "bf16: when is it usable?"). Each case runs in its own
 subprocess (a crash must not end the probe) and sends every prompt length 1..12 as a
 separate request, greedy, 8 new tokens. Models with random weights
 (``load_format="dummy"``) share the default model's tokenizer.
@@ -95,7 +95,7 @@ def main() -> None:
         return
     for name in args.cases.split(","):
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_dtype_probe", "--one", name],
+        proc = subprocess.run([sys.executable, "-m", "vllm_clover.benchmarks.cpu_dtype_probe", "--one", name],
                               capture_output=True, text=True, env=os.environ.copy())
         ok = [int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("PROBE_OK")]
         died = "SIGILL" if "SIGILL" in proc.stderr or proc.returncode == -4 else ""

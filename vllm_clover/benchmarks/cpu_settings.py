@@ -80,7 +80,7 @@ def main() -> None:
             env["VLLM_CLOVER_PRELOAD_IOMP"] = iomp  # the plugin sets LD_PRELOAD for workers
             if reserved is not None:  # else the plugin's own rule (cpu_env.with_worker_cores)
                 env[RESERVED_CPU_ENV] = reserved
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu_settings", "--one", dtype,
+            proc = subprocess.run([sys.executable, "-m", "vllm_clover.benchmarks.cpu_settings", "--one", dtype,
                                    "--max-tokens", str(args.max_tokens), "--spec", args.spec],
                                   capture_output=True, text=True, env=env)
             line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

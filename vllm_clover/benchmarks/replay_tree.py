@@ -14,11 +14,10 @@ the heads expand the static tree from the trunk state of the last committed row
 (``tree.expand_static_tree``, top-k over the draft vocabulary), then the retrieval chain
 (prompt lookup, else the datastore) is grafted from the root and, with ``--leaf-k``, under
 each leaf of the heads' tree (``lookup.graft_retrieval``, the proposer's own function). The
-trunk runs once over each whole sequence: it is causal, so its state at a row equals the engine's when the committed tokens are the answer's, which they
-are in greedy decoding. Features (x_t) come from the target in float32 (transformers), the
-heads run in float32. In float32 the replay matched the engine (MT-Bench 1-6, 256 tokens,
-16 retrieval tokens: small_4 2.447 tokens per step replayed against 2.45 in vLLM, wide_9
-2.677 against 2.67). bf16 engines answer differently (greedy decoding follows the rounding,
+trunk runs once over each whole sequence: it is causal, so its state at a row equals the
+engine's when the committed tokens are the answer's, which they are in greedy decoding. Features (x_t) come from the target in float32 (transformers), the
+heads run in float32. In float32 the replay matches the engine's tokens per step to about
+0.01 (docs/results/2026-12-05-wide-tree-leaf-lookup.md). bf16 engines answer differently (greedy decoding follows the rounding,
 and even the batch shape): replay their answers with ``--dtype bfloat16`` for trends, and
 expect the per-prompt numbers to differ from an engine run.
 """

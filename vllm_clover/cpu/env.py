@@ -75,10 +75,9 @@ def with_iomp_preload(env: dict[str, str]) -> dict[str, str]:
 # EngineCore's scheduler loop (utils/ompmultiprocessing.py, reserve_cpu_num; its comment:
 # "TODO: make scheduler proc sleep when idle"). On a 2-core machine the worker then binds
 # one thread ("core ids=[0]", "reserved_cpus=[1]" in its log) and the model runs at half
-# the cores. With no core reserved, plain vLLM ran 1.40-1.53x faster at batch 1 and
-# 1.55-1.57x at batch 8-32 here, Clover 1.03-1.27x / 1.36-1.65x (docs/cpu-defaults.md).
-# The EngineCore then shares the cores, which costs less: it mostly waits (sched_yield)
-# while the worker computes.
+# the cores. With no core reserved plain vLLM runs ~1.5x faster on 2 cores
+# (docs/cpu-defaults.md "Worker cores"): the EngineCore then shares the cores, which costs
+# less, as it mostly waits (sched_yield) while the worker computes.
 SMALL_MACHINE_CPUS = 2
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
@@ -127,9 +126,9 @@ def cpu_flags() -> set[str]:
 def fast_bf16_matmul(flags: set[str] | None = None) -> bool:
     """Whether bfloat16 matrix products are fast on this CPU: AVX-512 (oneDNN's bf16 path).
 
-    Why it matters: on a 2-core AVX2-only EPYC a [2048, 576] x [576, 1536] bf16 product took
-    8x the float32 time (628 vs 78 ms, one thread), so training and feature extraction in
-    bf16 there run several times slower than in float32 (docs/training.md "Compute dtype")."""
+    Why it matters: on AVX2-only CPUs a bf16 product takes ~8x the float32 time, so training
+    and feature extraction in bf16 there run several times slower than in float32
+    (docs/training.md "Compute dtype")."""
     flags = cpu_flags() if flags is None else flags
     return "avx512f" in flags or "amx_bf16" in flags
 
@@ -137,10 +136,9 @@ def fast_bf16_matmul(flags: set[str] | None = None) -> bool:
 def cheap_verify_rows(flags: set[str] | None = None) -> bool:
     """Whether verifying a few more draft rows per step is nearly free on this CPU: AVX-512.
 
-    Measured at batch 1 (docs/tree-verification.md): on a 2-core AVX-512 EPYC the target's
-    pass over 8 rows costs what 1 row does (compiled: 32.2 vs 32.3 ms), while on a 2-core
-    AVX2-only EPYC each extra row costs about 5% of a step. The CPU serve default drafts a
-    larger tree where this holds (cli.shipped_serve_options)."""
+    At batch 1 the target's pass over 8 rows costs what 1 row does on AVX-512 CPUs, while on
+    AVX2-only CPUs each extra row costs about 5% of a step (docs/tree-verification.md). The
+    serve defaults draft a larger tree where this holds (vllm_clover/serve_defaults.py)."""
     flags = cpu_flags() if flags is None else flags
     return "avx512f" in flags
 

@@ -1,41 +1,38 @@
-"""oneDNN-packed matmuls for the drafter on vLLM's CPU build.
+"""Packed matmuls for the drafter on vLLM's CPU build, and the float32 kernel for the target.
 
 Why: the drafter's own ``nn.Linear`` layers (the Attention Decoders' q/k/v, ``head0_proj``,
 ``head_proj``, Clover-1's ResBlocks) and its reduced-vocabulary LM head would run through
 ``torch.nn.functional.linear``, which at the drafter's row counts (1 to 8) is markedly slower
-on this CPU than the oneDNN primitives vLLM's CPU build gives the target's layers
+than the oneDNN primitives vLLM's CPU build gives the target's layers
 (``vllm/model_executor/layers/utils.py:dispatch_cpu_unquantized_gemm``: one handler created
-over the weight at load, ``ops.onednn_mm`` per call). Measured here (2-core AMD EPYC, AVX2,
-float32, caches evicted between steps): Clover-2 heads 0 and 1 plus two 4,096-row draft LM-head
-products, 3.4-4.0 ms per step with ``F.linear`` against 2.5-2.7 ms packed.
+over the weight at load, ``ops.onednn_mm`` per call): ~1.4x for heads 0 and 1 plus two
+4,096-row draft LM-head products on an AVX2 CPU.
 
 The packed handler holds its own copy of the weight in oneDNN's layout, so a packed layer
 must not have its weight changed afterwards (the proposer packs after loading, once).
 
 Draft matmuls in bfloat16 (option ``draft_dtype``, ``draft_matmul_dtype``): at batch 1 the
 drafter's 18 products stream ~59 MB of float32 weights per step (two Augmenting layers, the
-Attention Decoders, two 4,096-row LM-head products), about 11% of the target's bytes; with
-bfloat16 copies packed for oneDNN they take 2.1-2.4 ms instead of 3.5-3.7 ms (2-core AMD EPYC
-with AVX512-BF16, caches evicted between steps). Only the products change dtype: inputs are
-cast down, outputs back up, and norms, gates, attention and the KV cache stay in the model's
-dtype. Drafts may differ in rare near-ties; verification keeps output exactly the target's.
+Attention Decoders, two 4,096-row LM-head products), about 11% of the target's bytes, and
+bfloat16 copies halve them (docs/design-proposer.md). Only the products change dtype: inputs
+are cast down, outputs back up, and norms, gates, attention and the KV cache stay in the
+model's dtype. Drafts may differ in rare near-ties; verification keeps output exactly the
+target's.
 
 Where the float32 linear kernel runs (below) and the model is float32, the drafter's products go
-through it too (:class:`KernelLinear`, :func:`drafter_product`): 1.3x faster than oneDNN for
-the drafter's 18 products at one row, and with ``draft_dtype`` bfloat16 over bfloat16 copies of
-the weights (float32 inputs, products and sums), 2.1x (``bench_linear_cpu --shapes drafter
---bf16-weights``, 2-core Zen 1 EPYC, AVX2: 4.75 / 3.61 / 2.28 ms). That is also the only
-bfloat16 drafting an AVX2-only CPU has. CPUs that multiply bfloat16 natively keep oneDNN's
-bfloat16 primitive, measured there.
+through it too (:class:`KernelLinear`, :func:`drafter_product`), with ``draft_dtype`` bfloat16
+over bfloat16 copies of the weights (float32 inputs, products and sums): 1.3x and 2.1x faster
+than oneDNN float32 at one row (docs/cpu-linear.md, "bfloat16 weights for the drafter"). That is
+also the only bfloat16 drafting an AVX2-only CPU has. CPUs that multiply bfloat16 natively keep
+oneDNN's bfloat16 primitive.
 
 The target's float32 linears (patch ``cpu-fp32-linear-kernel``, :func:`wrap_dispatch`):
-on AVX-512 and AVX2 CPUs every float32 linear layer vLLM builds, the target's and the LM head included,
-runs through ``vllm_clover.kernels.linear_cpu`` instead of oneDNN, in every engine of a process where the
-plugin is loaded (plain vLLM too, so speed comparisons stay like for like): one to ~40 rows
-cost less there, which is what decoding and tree verification run (docs/cpu-linear.md).
-``VLLM_CLOVER_CPU_LINEAR=0`` restores vLLM's dispatch.
+on AVX-512 and AVX2 CPUs every float32 linear layer vLLM builds, the target's and the LM head
+included, runs through ``vllm_clover.kernels.linear_cpu`` instead of oneDNN, in every engine of
+a process where the plugin is loaded (plain vLLM too, so speed comparisons stay like for like):
+one to ~40 rows cost less there, which is what decoding and tree verification run
+(docs/cpu-linear.md). ``VLLM_CLOVER_CPU_LINEAR=0`` restores vLLM's dispatch.
 """
-
 from __future__ import annotations
 
 from typing import Any
@@ -60,8 +57,8 @@ def native_bf16_matmul() -> bool:
 
 def onednn_bf16_matmul() -> bool:
     """Can vLLM's oneDNN build multiply bfloat16 on this CPU? It needs AVX-512 (converting) or
-    AMX. On an AVX2-only CPU (a 2-core Zen 1 EPYC, 2026-12-05) creating the primitive fails:
-    "could not create a primitive descriptor for the matmul primitive"."""
+    AMX. On an AVX2-only CPU creating the primitive fails: "could not create a primitive
+    descriptor for the matmul primitive"."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512" or bool(torch.cpu._is_amx_tile_supported())
 
 
@@ -146,7 +143,7 @@ def drafter_product(weight: Tensor, bias: Tensor | None = None,
     """The drafter's packed product ``x @ weight.T + bias`` in ``compute_dtype`` (None: the
     weight's dtype): the float32 kernel for a float32 weight where it runs
     (:func:`fp32_kernel_usable`; bfloat16 as bfloat16 weights, except on CPUs that multiply
-    bfloat16 natively, which keep oneDNN's measured primitive), else :class:`PackedLinear`."""
+    bfloat16 natively, which keep oneDNN's bfloat16 primitive), else :class:`PackedLinear`."""
     compute = weight.dtype if compute_dtype is None else compute_dtype
     if (weight.dtype == torch.float32 and compute in (torch.float32, torch.bfloat16) and fp32_kernel_usable()
             and not (compute == torch.bfloat16 and native_bf16_matmul())):
@@ -179,7 +176,7 @@ def repack_vllm_linears(loaded: list[tuple[nn.Module, Tensor]], compute_dtype: t
     for layer, weight in loaded:
         if not callable(getattr(layer, "cpu_linear", None)):
             raise RuntimeError(f"vllm-clover: {type(layer).__name__} has no cpu_linear to repack "
-                               "(vLLM's CPU linear dispatch changed; see patches.py)")
+                               "(vLLM's CPU linear dispatch changed; see vllm_clover/patches/)")
         packed = drafter_product(weight, compute_dtype=compute_dtype)
         layer.cpu_linear = lambda x, _w, bias, p=packed: p(x) if bias is None else p(x) + bias
     return len(loaded)

@@ -44,12 +44,12 @@ def backend_for(device: torch.device) -> str:
 def tree_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, seq_lens: torch.Tensor, tree_mask: torch.Tensor,
                    scale: float | None = None) -> torch.Tensor:
-    """Dispatching entry point; see :mod:`kernels.tree_attention` for the contract."""
+    """Dispatching entry point; see :mod:`vllm_clover.kernels.tree_attention` for the contract."""
     fn = tree_attention_triton if backend_for(q.device) == "triton" else tree_attention_ref
     return fn(q, key_cache, value_cache, block_table, seq_lens, tree_mask, scale)
 
 
 def kv_compact(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Dispatching entry point; see :mod:`kernels.kv_compact` for the contract."""
+    """Dispatching entry point; see :mod:`vllm_clover.kernels.kv_compact` for the contract."""
     fn = kv_compact_triton if backend_for(src_slots.device) == "triton" else kv_compact_ref
     fn(caches, src_slots, dst_slots)

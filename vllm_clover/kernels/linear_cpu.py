@@ -3,8 +3,8 @@
 
 Why: vLLM's CPU build runs float32 weights through oneDNN (``dispatch_cpu_unquantized_gemm``),
 which at decoding's and tree verification's row counts (1 to ~40) is far from the machine's
-bounds on a 2-core AVX-512 Xeon and on a 2-core AVX2 EPYC; this kernel streams each weight
-vector once per tile of up to 14 rows (docs/cpu-linear.md has the measurements). Every output
+bounds on AVX-512 and AVX2 CPUs alike; this kernel streams each weight vector once per tile of
+up to 14 rows (timings: docs/cpu-linear.md). Every output
 element is one in-order FMA chain over K, so a row's result does not depend on how many rows
 share the call: the property greedy speculative decoding needs to stay token-identical to
 one-row decoding.
@@ -51,7 +51,7 @@ def supported() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def load() -> Any:
-    """Compile (first call on this machine: about half a minute) and import the kernel; also
+    """Compile (first call on a machine: about half a minute) and import the kernel; also
     registers the op's fake (shape-only) implementation for ``torch.compile``."""
     # No -ffast-math: it would allow re-associating the FMA chains (the row-invariance above).
     capability = torch.backends.cpu.get_cpu_capability()

@@ -3,7 +3,7 @@ accepted paths: C++ kernels (``csrc/tree_attention_cpu.cpp``) compiled on first 
 ``torch.utils.cpp_extension``.
 
 Why: the PyTorch path gathers every tree request's paged K/V prefix per layer per step;
-on this 2-core CPU that gather dominates the tree rows' cost (docs/tree-verification.md).
+at batch 1 on a 2-core CPU that gather dominates the tree rows' cost (docs/tree-verification.md).
 The contract is the one of ``tree_verify.tree_attention_rows`` for CPU_ATTN's layouts:
 kv_cache [num_blocks, Hkv, block_size, 2*D], per (block, head) a key half then a value half,
 in the order of the attention ISA vLLM picked (``layer.isa``; :data:`LAYOUTS`): ``vec`` /
@@ -77,7 +77,7 @@ def amx_tiles_usable() -> bool:
 
 
 def build_extension(name: str, source: Path, cflags: list[str], env_var: str) -> Any:
-    """Compile (first call on this machine: about a minute) and import the C++ extension
+    """Compile (first call on a machine: about a minute) and import the C++ extension
     ``name`` from ``source``; CpuKernelBuildError names what failed and ``env_var`` (the switch
     that turns the kernel off)."""
     from torch.utils import cpp_extension
@@ -98,7 +98,7 @@ def build_extension(name: str, source: Path, cflags: list[str], env_var: str) ->
 
 @functools.lru_cache(maxsize=1)
 def load() -> Any:
-    """Compile (first call on this machine: about a minute) and import the kernel module."""
+    """Compile (first call on a machine: about a minute) and import the kernel module."""
     return build_extension("vllm_clover_tree_attention_cpu", SOURCE,
                            ["-O3", "-ffast-math", "-fopenmp", *_isa_flags()], ENV_VAR)
 
@@ -136,8 +136,9 @@ def tree_attention_paged_cpu(query: torch.Tensor, kv_cache: torch.Tensor, output
 def rows_argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
     """``logits.max(-1).indices`` for CPU logits [R, V] (float32, bfloat16 or float16, rows
     contiguous): the first index of each row's maximum, a NaN counting as the maximum;
-    int64 [R]. Why: torch's row reduction takes 0.25 ms for 20 x 49,152 float32 logits and
-    0.42 ms in bfloat16 on a 2-core Xeon, the greedy tree verifier's one pass over them."""
+    int64 [R]. Why: torch's row reduction is slow for the greedy tree verifier's one pass over
+    every row's logits, and slower in bfloat16 (docs/tree-verification.md, "Cheaper verify
+    bookkeeping")."""
     if logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1:
         raise ValueError(f"rows_argmax_cpu needs CPU logits [R, V > 0] with contiguous rows; "
                          f"got {tuple(logits.shape)} on {logits.device}")
@@ -150,9 +151,8 @@ def kv_compact_cpu(kv_caches: list[torch.Tensor], src_slots: torch.Tensor, dst_s
     source read before any destination is written) on whole CPU_ATTN caches: kv_caches are
     the layers' [num_blocks, Hkv, block_size, 2*D] tensors (contiguous, one dtype) in the
     layout of ``isa``; each move copies the token's K and V for every KV head. Every cache in
-    one C++ call: the PyTorch path costs two indexing ops per K/V view: 1.5 ms for 2 moves
-    over the default model's 30 layers on a 2-core Xeon, this 0.08 ms (float32; 0.06 ms in
-    bf16's amx layout; mean of 500 calls, 40 blocks of 128 per layer)."""
+    one C++ call: the PyTorch path costs two indexing ops per K/V view, ~20x this call for the
+    default model's 30 layers (docs/tree-verification.md)."""
     from vllm_clover.kernels.kv_compact import _check
 
     _check([], src_slots, dst_slots)

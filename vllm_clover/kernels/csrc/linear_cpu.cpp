@@ -2,14 +2,14 @@
 // packed once at load into column blocks of 16, [ceil(N/16), K, 16] (block j holds columns
 // 16j..16j+15, contiguous over k).
 //
-// Why (docs/cpu-linear.md): at the row counts of decoding and of verifying a token tree (1 to
-// ~40 rows), oneDNN's float32 matmul, vLLM's choice for float32 weights on CPU
-// (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm), is far from both the
-// memory and the compute bound on a 2-core AVX-512 Xeon (the default model's 30 layers: ~24-28
-// ms for 1 row, ~1.3 ms more per row) and on a 2-core AVX2 EPYC. Here each weight vector is
-// loaded once per register tile of up to 14 rows (AVX2: 8; more rows: several tiles of 6 taking
-// turns on each chunk of k) and used in one FMA per row, with the next vectors prefetched.
-// Built for AVX-512 or for AVX2 + FMA (vllm_clover/kernels/linear_cpu.py picks the flags).
+// Why: at the row counts of decoding and of verifying a token tree (1 to ~40 rows), oneDNN's
+// float32 matmul, vLLM's choice for float32 weights on CPU (model_executor/layers/utils.py,
+// dispatch_cpu_unquantized_gemm), is far from both the memory and the compute bound, on
+// AVX-512 and on AVX2 CPUs (timings against it: docs/cpu-linear.md). Here each weight vector
+// is loaded once per register tile of rows, up to 14 on AVX-512 and 8 on AVX2 (more rows on
+// AVX2: several tiles of 6 taking turns on each chunk of k), and used in one FMA per row, with
+// the next vectors prefetched. Built for AVX-512 or for AVX2 + FMA
+// (vllm_clover/kernels/linear_cpu.py picks the flags).
 //
 // Weights in bfloat16 (pack_bf16 / linear_bf16w; the drafter's products, option draft_dtype):
 // the same layout and tiles with 2-byte weights widened to float in registers (a bf16 is a
@@ -45,15 +45,15 @@ inline Vec vbroadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // Rows per register tile. 14 x 2 column blocks (28 accumulators + 2 weight vectors) fits the 32
-// zmm registers with room to spare; on the 2-core Xeon, 13-14 rows in one tile took 28.6-29.4 ms
-// for the default model against 32.3-34.0 ms as two tiles of 7 (bench_linear_cpu, 2026-12-05).
-// One column block with up to 30 rows was no faster than two tiles at 16-36 rows: at these
-// row counts the FMAs do not overlap the weight stream, so the cost per row is the compute.
+// zmm registers with room to spare, and 13-14 rows in one tile cost ~12% less than as two tiles
+// of 7 (docs/results/2026-12-05-fp32-14-rows.md). One column block of up to 30 rows is no
+// faster than two tiles at 16-36 rows: at these row counts the FMAs do not overlap the weight
+// stream, so the cost per row is the compute (docs/cpu-linear.md).
 constexpr int kMaxRows = 14;
 constexpr int kTileRows = 14;  // rows per tile when a panel needs several (more than kMaxRows)
 constexpr int64_t kPrefetch = 24;  // k steps ahead for software prefetch of weight lines
 constexpr int64_t kPrefetchBf16 = 48;  // the same bytes ahead for bfloat16 weights
-constexpr bool kChunkTiles = false;  // see kChunk (not measured on AVX-512: one pass over k)
+constexpr bool kChunkTiles = false;  // see kChunk; AVX-512 runs one pass over k (chunks untested there)
 // Column vectors (= blocks) per register tile for MR rows: MR * CV accumulators + CV weight
 // vectors stay within the 32 zmm registers.
 constexpr int cols_for_rows(int mr) {
@@ -71,21 +71,19 @@ inline Vec vbroadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 // Up to 8 rows: one tile of 2 vectors (at 7-8 rows the compiler keeps some operands in memory);
-// more rows: several tiles of at most 6 rows x 2 vectors over k chunks. Against one tile of up
-// to 14 rows x 1 vector (half a packed block), prefetching 24 k steps ahead, on a 2-core Zen 1
-// EPYC (docs/cpu-linear.md, "AVX2 tiles of 7-14 rows"): the default model's linears at 7 / 8 /
-// 12 / 14 rows 26% / 19% / 8% / 8% faster, 1-6 rows unchanged; two tiles of 8 at 15-16 rows
-// were 9-12% slower than three of 5-6.
+// more rows: several tiles of at most 6 rows x 2 vectors over k chunks. This is 8-26% faster at
+// 7-14 rows than one tile of up to 14 rows x 1 vector (half a packed block), level at 1-6, and
+// three tiles of 5-6 beat two of 8 at 15-16 rows (docs/cpu-linear.md "AVX2 tiles of 7-14 rows").
 constexpr int kMaxRows = 8;
 constexpr int kTileRows = 6;
 constexpr int64_t kPrefetch = 96;  // k steps ahead for software prefetch of weight lines
 // bfloat16 weights (the drafter's products, 1-3 rows): 96 k steps as well; 192 (the same bytes
-// ahead) made the drafter's products ~4% slower at one row.
+// ahead) is ~4% slower at one row.
 constexpr int64_t kPrefetchBf16 = 96;
 constexpr bool kChunkTiles = true;
 // Column vectors per register tile for MR rows: up to 6 rows, MR * CV accumulators + CV weight
 // vectors + 1 broadcast within 16 (1 row: each weight is used once, so it is loaded into the
-// FMA); 7-8 rows x 2 spill to L1, and were still faster than two tiles (above).
+// FMA); 7-8 rows x 2 spill to L1, and are still faster than two tiles (above).
 constexpr int cols_for_rows(int mr) {
   return mr <= 1 ? 8 : mr <= 2 ? 4 : mr <= 3 ? 3 : 2;
 }

@@ -1,4 +1,4 @@
-// Tree-masked attention for vLLM's CPU KV cache (CPU_ATTN, vec / vec16 ISAs), read in place.
+// Tree-masked attention for vLLM's CPU KV cache (CPU_ATTN: the vec, vec16 and amx layouts), read in place.
 //
 // Why a kernel: the PyTorch path (vllm_clover/engine/tree_verify.py) first gathers each request's
 // whole paged K/V prefix into contiguous tensors, once per layer per step; at batch 1 that
@@ -28,12 +28,12 @@
 //   2. one item per (request, query row, query head): merge its partials over blocks.
 //   At batch 1 this still gives Hkv * blocks items (e.g. 3 x 4 at 400 tokens) for the cores.
 // Built with -mavx512f (AVX-512 CPUs), pass 1's two products run in register tiles (qk_tile,
-// pv_tile) when BS % 32 == 0 and D % 64 == 0: 10 rows x 700 positions of the default model's
-// heads (9 x 64, 3 KV heads) in 97 us instead of 325 us (2-core Xeon, AVX-512; the loops were
-// load/store-bound, a score or output element per multiply-add). Built with -mavx2 -mfma, the
-// same tiles in halves (4 queries x 16 positions / 16 head dims, 8 ymm accumulators): 1.8-1.9x
-// faster than the loops for 8-14 rows at 100-800 positions on a 2-core Zen 1 EPYC, bitwise the
-// same output (vllm_clover/benchmarks/bench_tree_cpu.py, 2026-12-05). Elsewhere, the plain loops.
+// pv_tile) when BS % 32 == 0 and D % 64 == 0; the plain loops are load/store-bound (a score or
+// output element per multiply-add), the tiles ~3x faster for the default model's heads
+// (docs/results/2026-12-04-fp32-tree-kernels-xeon.md). Built with -mavx2 -mfma, the same tiles
+// in halves (4 queries x 16 positions / 16 head dims, 8 ymm accumulators), ~1.8x faster than the
+// loops and bitwise the same output (docs/results/2026-12-05-avx2-lighter-drafter.md; timed by
+// vllm_clover/benchmarks/bench_tree_cpu.py). Elsewhere, the plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -217,7 +217,7 @@ inline void amx_end() { _tile_release(); }
 // s[qt*16 + m][16g + n] = q_m . k_(16g+n) for every 16-query tile qt < nq and 16-token group
 // g < groups. qb: bf16 queries [16 * tiles][d] (rows past nq are read, their scores unused);
 // key: the block's amx key half. d % 32 == 0. Four groups at a time, one C tile each: a
-// single accumulator chain waits out each product's latency (measured 2x slower).
+// single accumulator chain waits out each product's latency (2x slower).
 inline void amx_qk(const c10::BFloat16* qb, int64_t nq, int64_t d, const c10::BFloat16* key, int64_t groups,
                    float* s, int64_t bs) {
   for (int64_t qt = 0; qt < nq; qt += 16)
