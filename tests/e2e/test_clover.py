@@ -565,7 +565,7 @@ def test_sampling_distribution_matches_plain_vllm(results: dict, default_model_d
 
     Power, by mutation (docs/design-proposer.md, "Sampling correctness"): handing the
     rejection sampler a uniform q, or q rows shifted by one draft position, fails this
-    test; it also caught vLLM's broken CPU expand kernel (the sampled tokens were mostly
+    test, and so does vLLM's broken CPU expand kernel (the sampled tokens are then mostly
     <|endoftext|>).
     """
     ref, got = results["ref"]["samples"], results["clover"]["samples"]

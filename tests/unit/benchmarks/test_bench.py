@@ -147,7 +147,7 @@ def test_plot_writes_throughput_and_acceptance_charts(tmp_path, batch_sizes) -> 
 
 
 def test_profile_timer_counts_calls_and_time() -> None:
-    """benchmarks.profile_step's timers add wall time and calls per key, pass results and
+    """vllm_clover.benchmarks.profile_step's timers add wall time and calls per key, pass results and
     exceptions through, and keep the wrapped function's name."""
     import collections
     import types
