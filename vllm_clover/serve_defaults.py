@@ -37,21 +37,21 @@ SERVE_DEFAULTS: dict[str, dict] = {
                     "leaf_lookup_tokens": 2},
         "why": "bf16 linears cost the same for 1-16 rows and tree rows attend in AMX tiles: "
                "wide_9 + 16 lookup + 2 per leaf, 36 rows at most (20 on average)",
-        "evidence": "docs/results/2026-12-04-amx-bf16-tiles.md, docs/results/2026-12-05-wide-tree-leaf-lookup.md",
+        "evidence": "docs/results/*-amx-bf16-tiles.md, docs/results/*-wide-tree-leaf-lookup.md",
     },
     "avx2": {
         "options": {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
                     "datastore": "datastore.npz", "disable_by_batch_size": 3},
         "why": "head 0's draft + 5 lookup tokens, 7 rows at most: the 8th row costs more than "
                "rows 2-7 together on AVX2 (docs/cpu-linear.md)",
-        "evidence": "docs/results/2026-12-06-avx2-chain1-default.md",
+        "evidence": "docs/results/*-avx2-chain1-default.md",
     },
     "avx512_fp32": {
         "options": {"tree": "small_5", "prompt_lookup_tokens": 8, "draft_vocab_size": 4096,
                     "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 14},
         "why": "14 rows fill one register tile of the float32 linear kernel (~0.8 ms a row): "
                "small_5 + 8 lookup tokens",
-        "evidence": "docs/results/2026-12-05-fp32-14-rows.md",
+        "evidence": "docs/results/*-fp32-14-rows.md",
     },
     "avx512": {
         "options": {"tree": "small_4", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,

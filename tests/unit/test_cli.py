@@ -12,6 +12,8 @@ from vllm_clover.cpu import env as cpu_env
 from vllm_clover.drafting.tree import get_tree
 from vllm_clover.serve_defaults import SERVE_DEFAULTS
 
+from tests.conftest import REPO
+
 OPTIONS = {case: row["options"] for case, row in SERVE_DEFAULTS.items()}
 
 
@@ -97,6 +99,9 @@ def test_every_serve_default_names_its_reason_and_evidence() -> None:
     for case, row in SERVE_DEFAULTS.items():
         assert set(row) == {"options", "why", "evidence"} and row["why"] and row["evidence"], case
         assert row["options"]["draft_vocab_size"] == 4096 and row["options"]["disable_by_batch_size"] == 3
+        # Evidence paths are written without the results file's date: each names exactly one file.
+        for ref in (r.strip() for r in row["evidence"].split(",") if r.strip().startswith("docs/")):
+            assert len(list(REPO.glob(ref))) == 1, (case, ref)
 
 
 def test_serve_print_config_shows_the_platform_row(default_with_heads, monkeypatch, capsys) -> None:

@@ -38,7 +38,7 @@ How it measures (conditions are written into the JSON):
   short, because vLLM counts as accepted the drafts of a request's last step that run past
   ``max_tokens`` or a stop and are dropped (up to a whole lookup span; used alone it
   overstates tokens per step by 1-3% with 5-9 lookup tokens and up to 13% with 16,
-  docs/results/2026-12-04-amx-bf16-tiles.md). vLLM's own ratio, 1 + accepted / drafts, counts only steps that
+  docs/results/*-amx-bf16-tiles.md). vLLM's own ratio, 1 + accepted / drafts, counts only steps that
   drafted, which flatters ngram (no draft where nothing matches); it is kept as
   ``acceptance_length_when_drafting``. Per-position rate = accepted at position i / drafts.
 - Draft cost (Clover): wall time inside the Clover proposer (trunk + heads, measured in the

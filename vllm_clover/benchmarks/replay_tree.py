@@ -17,7 +17,7 @@ each leaf of the heads' tree (``lookup.graft_retrieval``, the proposer's own fun
 trunk runs once over each whole sequence: it is causal, so its state at a row equals the
 engine's when the committed tokens are the answer's, which they are in greedy decoding. Features (x_t) come from the target in float32 (transformers), the
 heads run in float32. In float32 the replay matches the engine's tokens per step to about
-0.01 (docs/results/2026-12-05-wide-tree-leaf-lookup.md). bf16 engines answer differently (greedy decoding follows the rounding,
+0.01 (docs/results/*-wide-tree-leaf-lookup.md). bf16 engines answer differently (greedy decoding follows the rounding,
 and even the batch shape): replay their answers with ``--dtype bfloat16`` for trends, and
 expect the per-prompt numbers to differ from an engine run.
 """

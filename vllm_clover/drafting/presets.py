@@ -37,7 +37,7 @@ PRESETS: dict[str, Paths] = {
     # each row costs its FMAs (~0.8 ms, docs/cpu-linear.md) and 14 rows fit one register tile
     # of the linear kernel, so the rows a smaller tree saves go to lookup tokens. Replayed:
     # small_3 + 10 and small_5 + 8 lookup tokens 2.74 / 2.77 tokens per step against 2.54 for
-    # small_4 + 5 (docs/results/2026-12-05-fp32-14-rows.md).
+    # small_4 + 5 (docs/results/*-fp32-14-rows.md).
     "small_3": ((0,), (1,), (0, 0)),
     "small_4": ((0,), (1,), (0, 0), (1, 0)),
     "small_5": ((0,), (1,), (2,), (0, 0), (1, 0)),
@@ -45,7 +45,7 @@ PRESETS: dict[str, Paths] = {
     # first token's second child; 4/5 nodes per depth. Drafting costs the same two batched head
     # calls as small_4 (depth, not width, sets their number); it pays where verified rows are
     # cheap (bf16 on AMX). Replayed: 3.05 tokens per step against small_4's 2.84 with 16 lookup
-    # tokens (docs/results/2026-12-05-wide-tree-leaf-lookup.md).
+    # tokens (docs/results/*-wide-tree-leaf-lookup.md).
     "wide_9": ((0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (2, 0), (3, 0)),
 }
 DEFAULT_TREE = "mc_sim_7b_63"

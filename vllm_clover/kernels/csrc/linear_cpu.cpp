@@ -46,7 +46,7 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 // Rows per register tile. 14 x 2 column blocks (28 accumulators + 2 weight vectors) fits the 32
 // zmm registers with room to spare, and 13-14 rows in one tile cost ~12% less than as two tiles
-// of 7 (docs/results/2026-12-05-fp32-14-rows.md). One column block of up to 30 rows is no
+// of 7 (docs/results/*-fp32-14-rows.md). One column block of up to 30 rows is no
 // faster than two tiles at 16-36 rows: at these row counts the FMAs do not overlap the weight
 // stream, so the cost per row is the compute (docs/cpu-linear.md).
 constexpr int kMaxRows = 14;

@@ -30,9 +30,9 @@
 // Built with -mavx512f (AVX-512 CPUs), pass 1's two products run in register tiles (qk_tile,
 // pv_tile) when BS % 32 == 0 and D % 64 == 0; the plain loops are load/store-bound (a score or
 // output element per multiply-add), the tiles ~3x faster for the default model's heads
-// (docs/results/2026-12-04-fp32-tree-kernels-xeon.md). Built with -mavx2 -mfma, the same tiles
+// (docs/results/*-fp32-tree-kernels-xeon.md). Built with -mavx2 -mfma, the same tiles
 // in halves (4 queries x 16 positions / 16 head dims, 8 ymm accumulators), ~1.8x faster than the
-// loops and bitwise the same output (docs/results/2026-12-05-avx2-lighter-drafter.md; timed by
+// loops and bitwise the same output (docs/results/*-avx2-lighter-drafter.md; timed by
 // vllm_clover/benchmarks/bench_tree_cpu.py). Elsewhere, the plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
