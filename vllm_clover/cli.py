@@ -118,7 +118,7 @@ def _cmd_serve(args: argparse.Namespace, extra: list[str]) -> None:
     url = f"http://{args.host}:{args.port}"
     name = argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else argv[1]
     body = ('{"model": "%s", "messages": [{"role": "user", "content": '
-            '"What is the capital of France?"}], "max_tokens": 32}' % name)
+            '"What is the capital of France?"}], "max_tokens": 32, "temperature": 0}' % name)
     print(f"[vllm-clover] starting: vllm {shlex.join(argv)}", flush=True)
     print(f"[vllm-clover] OpenAI-compatible server at {url}/v1 (ready when {url}/health answers)")
     print(f"[vllm-clover] try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

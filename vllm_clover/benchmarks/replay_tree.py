@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm_clover.default_model import ensure_default_model
     from vllm_clover.model.draft_vocab import load_draft_vocab
     from vllm_clover.training.features import load_target_for_features, load_target_head, prenorm_hidden
-    from vllm_clover.engine.frontend import tree_option
+    from vllm_clover.engine.options import tree_option
 
     target = args.target or str(ensure_default_model())
     pairs = [(p, a) for p, a in mtbench_answers(target, args.num_prompts, args.max_tokens, args.dtype) if len(a) > 1]

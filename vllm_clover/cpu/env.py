@@ -14,7 +14,8 @@
   refuses to start when less is free; our entry points pass an explicit size instead
   (``DEFAULT_KV_CACHE_BYTES``), which also skips the warm-up pass.
 - cgroup memory: vLLM's start-up check counts page cache as used under a cgroup limit;
-  ``install_cgroup_usage_fix`` (patch ``cpu-cgroup-usage-excludes-page-cache``) corrects it.
+  patch ``cpu-cgroup-usage-excludes-page-cache`` (vllm_clover/patches/cpu.py) corrects it
+  with :func:`cgroup_memory_usage_without_page_cache`.
 """
 
 from __future__ import annotations

@@ -23,14 +23,11 @@ import argparse
 import sys
 from typing import Any
 
-from vllm_clover.engine import options as _options
 from vllm_clover.engine.options import (DYNAMIC, PREFIX, TREE_TOKEN_BUDGET, CloverOptions, CloverSpecError,
                                         checkpoint_path)
 from vllm_clover.model.config import ARCHITECTURE
 
 METHOD = "clover"
-# Defined in options.py; importable here for vllm_clover/benchmarks/replay_tree.py.
-tree_option = _options.tree_option
 
 
 # ============================================================================ CLI flags

@@ -502,8 +502,8 @@ class CloverProposer(MedusaProposer):
 
 
 def _check_tree_attention_backends(target_model: nn.Module) -> None:
-    """Tree rows are only right where the tree-attention hook runs (runner_hooks
-    ``install_tree_attention``): refuse any other backend at start-up, never verify wrong."""
+    """Tree rows are only right where the tree-attention hook runs (patch
+    ``attention-tree-rows``, vllm_clover/patches/runner.py): refuse any other backend at start-up, never verify wrong."""
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
