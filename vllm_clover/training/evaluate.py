@@ -42,7 +42,6 @@ g_t = argmax LMHead(RMSNorm(x_t)): the target's greedy choice for position t+1.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -54,8 +53,9 @@ import torch
 import torch.nn.functional as F
 
 from vllm_clover.model.drafter import apply_lm_head
-from vllm_clover.training.train import (TrainingError, check_target, feature_cache_dir, resolve_target, self_distill_cached,
-                       split_sharegpt)
+from vllm_clover.training.args import TrainingError
+from vllm_clover.training.inputs import (check_target, feature_cache_dir, resolve_target, self_distill_cached,
+                                        split_sharegpt)
 
 Tensor = torch.Tensor
 # predict(x [L, H] float32, shifted [L], starts [n], k, draft_head [V, H]) ->
@@ -246,59 +246,30 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
     """Run the held-out evaluation; returns (and writes) the JSON report.
 
     ``args.heads`` may be a Clover, Medusa or EAGLE checkpoint (told apart by config.json)."""
-    from vllm_clover.training.baselines import checkpoint_method, load_baseline
-    from vllm_clover.model.checkpoint import load_drafter
-    from vllm_clover.model.draft_vocab import DraftVocabError, load_draft_vocab, subset_logits_fn
-    from vllm_clover.training.features import FeatureDataset, extract_features, load_target_head
+    from vllm_clover.training.features import load_target_head
 
     t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     target = resolve_target(args.target)
     target_config = check_target(target)
-    method = checkpoint_method(args.heads)
-    if method == "clover":
-        drafter = load_drafter(args.heads, target_config=target_config)  # float32, eval mode
-    else:
-        drafter = load_baseline(args.heads, target_config=target_config)
-    k = args.k or drafter.config.num_heads
-    # EAGLE is one autoregressive draft model: any chain length; the others have K heads.
-    k_max = None if method == "eagle" else drafter.config.num_heads
-    if k < 1 or (k_max is not None and k > k_max):
-        bound = f"in 1..{k_max} (the number of heads)" if k_max else ">= 1"
-        raise TrainingError(f"-k {k} must be {bound}")
+    method, drafter, k = _load_heads(args, target_config)
     norm_w, eps, lm_head, embed = load_target_head(target, dtype=torch.float32)
     if method == "clover":
         drafter.bind_target(lm_head)
     else:
         drafter.bind_target(lm_head, embed)
     predict = predictor(method, drafter, norm_w, eps)
-    draft_head = lm_head.to(getattr(torch, args.draft_dtype))
-    if args.draft_vocab_size:
-        if method != "clover":
-            raise TrainingError("--draft-vocab applies to Clover checkpoints only")
-        try:
-            ids = load_draft_vocab(args.heads, args.draft_vocab_size, lm_head.shape[0])
-        except DraftVocabError as exc:
-            raise TrainingError(str(exc)) from None
-        draft_head = subset_logits_fn(draft_head, ids)
-    convs, label = heldout_conversations(args.data, target, args.distill_max_new_tokens)
-    if args.max_conversations:
-        convs = convs[: args.max_conversations]
-    if not convs:
-        raise TrainingError(f"no evaluation conversations from --data {args.data}")
-    cache = feature_cache_dir(target, convs, args.max_len, args.feature_dtype)
-    extract_features(target, convs, cache, max_len=args.max_len, dtype=args.feature_dtype,
-                     data_source=label, num_threads=args.threads or None, shard_tokens=EVAL_SHARD_TOKENS)
-    ds = FeatureDataset(cache)
+    draft_head = _draft_head(args, method, lm_head)
+    convs, label, cache, ds = _heldout_features(args, target)
     eos_id = int(ds.manifest["tokenizer"]["eos_token_id"])
-    parts = []
     items = range(len(ds))
     if progress:
         from tqdm import tqdm
 
         items = tqdm(items, desc="eval", unit="seq", file=sys.stderr,
                      mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    parts = []
     for i in items:
         item = ds[i]
         parts.append(evaluate_sequence(predict, item["hidden"].float(), item["input_ids"],
@@ -319,6 +290,64 @@ def evaluate(args: EvalArgs, progress: bool = True) -> dict[str, Any]:
         "wall_time_s": round(time.perf_counter() - t_start, 1),
         "per_sequence_kmax": per_sequence,
     }
+    return _write_report(args, report)
+
+
+def _load_heads(args: EvalArgs, target_config: dict[str, Any]) -> tuple[str, Any, int]:
+    """(method, drafter in float32 eval mode, chain length K) of ``args.heads``; K is
+    checked against the number of heads."""
+    from vllm_clover.model.checkpoint import load_drafter
+    from vllm_clover.training.baselines import checkpoint_method, load_baseline
+
+    method = checkpoint_method(args.heads)
+    if method == "clover":
+        drafter = load_drafter(args.heads, target_config=target_config)  # float32, eval mode
+    else:
+        drafter = load_baseline(args.heads, target_config=target_config)
+    k = args.k or drafter.config.num_heads
+    # EAGLE is one autoregressive draft model: any chain length; the others have K heads.
+    k_max = None if method == "eagle" else drafter.config.num_heads
+    if k < 1 or (k_max is not None and k > k_max):
+        bound = f"in 1..{k_max} (the number of heads)" if k_max else ">= 1"
+        raise TrainingError(f"-k {k} must be {bound}")
+    return method, drafter, k
+
+
+def _draft_head(args: EvalArgs, method: str, lm_head: Tensor) -> Tensor:
+    """The LM head [V, H] the drafter scores with: in ``draft_dtype``, restricted to the
+    checkpoint's draft vocabulary when ``draft_vocab_size`` is set."""
+    from vllm_clover.model.draft_vocab import DraftVocabError, load_draft_vocab, subset_logits_fn
+
+    draft_head = lm_head.to(getattr(torch, args.draft_dtype))
+    if args.draft_vocab_size:
+        if method != "clover":
+            raise TrainingError("--draft-vocab applies to Clover checkpoints only")
+        try:
+            ids = load_draft_vocab(args.heads, args.draft_vocab_size, lm_head.shape[0])
+        except DraftVocabError as exc:
+            raise TrainingError(str(exc)) from None
+        draft_head = subset_logits_fn(draft_head, ids)
+    return draft_head
+
+
+def _heldout_features(args: EvalArgs, target: Path):
+    """(conversations, label, feature-cache dir, FeatureDataset) of the held-out set; the
+    features are computed on first use."""
+    from vllm_clover.training.features import FeatureDataset, extract_features
+
+    convs, label = heldout_conversations(args.data, target, args.distill_max_new_tokens)
+    if args.max_conversations:
+        convs = convs[: args.max_conversations]
+    if not convs:
+        raise TrainingError(f"no evaluation conversations from --data {args.data}")
+    cache = feature_cache_dir(target, convs, args.max_len, args.feature_dtype)
+    extract_features(target, convs, cache, max_len=args.max_len, dtype=args.feature_dtype,
+                     data_source=label, num_threads=args.threads or None, shard_tokens=EVAL_SHARD_TOKENS)
+    return convs, label, cache, FeatureDataset(cache)
+
+
+def _write_report(args: EvalArgs, report: dict[str, Any]) -> dict[str, Any]:
+    """Write ``report`` to ``--json`` or ``<heads>/eval_<data>[_dv<N>].json``; adds ``json_path``."""
     suffix = f"_dv{args.draft_vocab_size}" if args.draft_vocab_size else ""
     out = Path(args.json_path) if args.json_path else Path(args.heads) / f"eval_{_slug(args.data)}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

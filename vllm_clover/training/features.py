@@ -45,23 +45,8 @@ data fingerprint, shard size) skips existing shards (resume) or returns at once 
 complete; a mismatching manifest raises :class:`FeatureCacheMismatch` unless
 ``overwrite=True``, which clears the directory and recomputes.
 
-Training batches and the shift convention (Clover-method §1.7)
---------------------------------------------------------------
-:func:`collate_features` pads a list of sequences to T = max length and returns
-
-* ``x`` [B,T,H] bf16: x_t (zero on padding);
-* ``input_ids`` [B,T] int64: y_t, unshifted (0 on padding);
-* ``input_ids_shifted`` [B,T] int64: y_{t+1}, the token that x_t predicts; 0 at the last
-  position of each sequence and on padding;
-* ``loss_mask`` [B,T] float32: loss_mask[y_{t+1}], i.e. position t is trained iff y_{t+1} is
-  an assistant token; 0 at the last position and on padding;
-* ``attention_mask`` [B,T] int64: 1 for t < L (the last real position included: x_{L-1} is a
-  valid input, it only lacks a label); ``lengths`` [B] int64.
-
-Head i (i = 0, 1, ...) at position t predicts y_{t+2+i}; its regression target is
-h̄_{t+1+i} = RMSNorm(x_{t+1+i}), computed by the trainer from ``x`` with the target's final
-norm (:func:`load_target_head`, :func:`shifted_postnorm_targets`), and its mask is
-``loss_mask[:, i:]`` as in the Clover-2 code.
+Training batches (padding, the shift by one, the masks) are built from this cache by
+:mod:`vllm_clover.training.batches`.
 """
 
 from __future__ import annotations
@@ -352,26 +337,8 @@ def extract_features(
 
     out = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    key = {
-        "format_version": FORMAT_VERSION,
-        "feature": FEATURE_KIND,
-        "target": target_fingerprint(model_dir),
-        "tokenizer": tokenizer_fingerprint(model_dir, tokenizer),
-        "hidden_dtype": "bfloat16",
-        "compute_dtype": dtype,
-        "max_len": max_len,
-        "data_fingerprint": data_fingerprint(convs),
-        "shard_tokens": shard_tokens,
-    }
-    old = read_manifest(out) if (out / MANIFEST).is_file() else None
-    if old is not None and _key(old) != key:
-        if not overwrite:
-            diff = sorted(k for k in _KEY_FIELDS if old.get(k) != key[k])
-            raise FeatureCacheMismatch(
-                f"feature cache {out} was built from different inputs (differs in: "
-                f"{', '.join(diff)}); pass overwrite=True or use another directory")
-        shutil.rmtree(out)
-        old = None
+    key = _cache_key(model_dir, tokenizer, convs, dtype, max_len, shard_tokens)
+    old = _reusable_manifest(out, key, overwrite)
     if old is not None and old.get("complete"):
         if verbose:
             print(f"[vllm-clover] reusing feature cache {out}", file=sys.stderr)
@@ -384,9 +351,55 @@ def extract_features(
     if old is not None and old.get("shards") != shards:
         raise FeatureCacheError(f"feature cache {out}: shard plan changed for identical inputs; "
                                 "delete the directory")
+    manifest = _new_manifest(key, old, convs, seqs, shards, data_source, batch_tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_json(out / MANIFEST, manifest)
+    todo = [s for s in shards if not _shard_ok(out / s["file"], s["num_sequences"])]
+    if todo:
+        _compute_shards(model_dir, out, todo, seqs, dtype, batch_tokens, num_threads, verbose, device)
+    manifest["complete"] = True
+    _atomic_write_json(out / MANIFEST, manifest)
+    return out
+
+
+def _cache_key(model_dir: str | os.PathLike, tokenizer, convs: Sequence[Conversation], dtype: str,
+               max_len: int, shard_tokens: int) -> dict[str, Any]:
+    """The manifest entries (``_KEY_FIELDS``) that decide whether a cache can be reused."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "feature": FEATURE_KIND,
+        "target": target_fingerprint(model_dir),
+        "tokenizer": tokenizer_fingerprint(model_dir, tokenizer),
+        "hidden_dtype": "bfloat16",
+        "compute_dtype": dtype,
+        "max_len": max_len,
+        "data_fingerprint": data_fingerprint(convs),
+        "shard_tokens": shard_tokens,
+    }
+
+
+def _reusable_manifest(out: Path, key: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """The manifest already in ``out`` when it was built from the same inputs (``key``), else
+    None; a mismatch raises :class:`FeatureCacheMismatch`, or with ``overwrite`` clears ``out``."""
+    old = read_manifest(out) if (out / MANIFEST).is_file() else None
+    if old is not None and _key(old) != key:
+        if not overwrite:
+            diff = sorted(k for k in _KEY_FIELDS if old.get(k) != key[k])
+            raise FeatureCacheMismatch(
+                f"feature cache {out} was built from different inputs (differs in: "
+                f"{', '.join(diff)}); pass overwrite=True or use another directory")
+        shutil.rmtree(out)
+        old = None
+    return old
+
+
+def _new_manifest(key: dict[str, Any], old: dict[str, Any] | None, convs: Sequence[Conversation],
+                  seqs: Sequence[_Seq], shards: list[dict[str, int]], data_source: str,
+                  batch_tokens: int) -> dict[str, Any]:
+    """The manifest of a cache being written (``complete`` False); keeps ``old``'s ``created``."""
     import transformers
 
-    manifest = {
+    return {
         **key,
         "complete": False,
         "data": {
@@ -400,35 +413,32 @@ def extract_features(
             "num_loss_tokens": int(sum(int(s.loss_mask[1:].sum()) for s in seqs)),
         },
         "shards": shards,
-        "args": {"shard_tokens": shard_tokens, "batch_tokens": batch_tokens, "max_len": max_len,
-                 "dtype": dtype},
+        "args": {"shard_tokens": key["shard_tokens"], "batch_tokens": batch_tokens, "max_len": key["max_len"],
+                 "dtype": key["compute_dtype"]},
         "created": (old or {}).get("created") or datetime.now(timezone.utc).isoformat(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_json(out / MANIFEST, manifest)
 
-    todo = [s for s in shards if not _shard_ok(out / s["file"], s["num_sequences"])]
-    if todo:
-        threads = torch.get_num_threads()
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        try:
-            model, decoder, norm = load_target_for_features(model_dir, dtype)
-            model.to(device)
-            for s in todo:
-                start = time.perf_counter()
-                part = seqs[s["first_sequence"]: s["first_sequence"] + s["num_sequences"]]
-                _atomic_save_shard(out / s["file"], _compute_shard(decoder, norm, part, batch_tokens, device))
-                if verbose:
-                    secs = time.perf_counter() - start
-                    print(f"[vllm-clover] {out / s['file']}: {s['num_tokens']} tokens in {secs:.1f} s "
-                          f"({s['num_tokens'] / secs:.0f} tok/s)", file=sys.stderr)
-        finally:
-            torch.set_num_threads(threads)
-    manifest["complete"] = True
-    _atomic_write_json(out / MANIFEST, manifest)
-    return out
+
+def _compute_shards(model_dir: str | os.PathLike, out: Path, todo: Sequence[dict[str, int]], seqs: Sequence[_Seq],
+                    dtype: str, batch_tokens: int, num_threads: int | None, verbose: bool, device: str) -> None:
+    """Load the target once and write the shards of ``todo`` (torch's thread count restored after)."""
+    threads = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        model, decoder, norm = load_target_for_features(model_dir, dtype)
+        model.to(device)
+        for s in todo:
+            start = time.perf_counter()
+            part = seqs[s["first_sequence"]: s["first_sequence"] + s["num_sequences"]]
+            _atomic_save_shard(out / s["file"], _compute_shard(decoder, norm, part, batch_tokens, device))
+            if verbose:
+                secs = time.perf_counter() - start
+                print(f"[vllm-clover] {out / s['file']}: {s['num_tokens']} tokens in {secs:.1f} s "
+                      f"({s['num_tokens'] / secs:.0f} tok/s)", file=sys.stderr)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- reading
@@ -498,44 +508,6 @@ class FeatureDataset(Dataset):
             "loss_mask": f.get_slice("loss_mask")[a:b],
             "hidden": f.get_slice("hidden")[a:b],
         }
-
-
-def shift_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[L] ids and mask -> ([L] y_{t+1}, [L] mask of y_{t+1}); the last position gets 0."""
-    ids = torch.zeros_like(input_ids)
-    mask = torch.zeros_like(loss_mask)
-    ids[:-1] = input_ids[1:]
-    mask[:-1] = loss_mask[1:]
-    return ids, mask
-
-
-def collate_features(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad sequences from :class:`FeatureDataset` into a training batch (right padding).
-
-    Returns x [B,T,H] bf16, input_ids [B,T], input_ids_shifted [B,T] (y_{t+1}),
-    loss_mask [B,T] float32 (assistant bit of y_{t+1}), attention_mask [B,T], lengths [B];
-    the last real position and padding have shifted id 0 and mask 0 (module docstring).
-    """
-    lengths = torch.tensor([len(item["input_ids"]) for item in batch], dtype=torch.int64)
-    b, t = len(batch), int(lengths.max())
-    h = batch[0]["hidden"].shape[-1]
-    out = {
-        "x": torch.zeros(b, t, h, dtype=batch[0]["hidden"].dtype),
-        "input_ids": torch.zeros(b, t, dtype=torch.int64),
-        "input_ids_shifted": torch.zeros(b, t, dtype=torch.int64),
-        "loss_mask": torch.zeros(b, t, dtype=torch.float32),
-        "attention_mask": torch.zeros(b, t, dtype=torch.int64),
-        "lengths": lengths,
-    }
-    for row, item in enumerate(batch):
-        n = len(item["input_ids"])
-        shifted_ids, shifted_mask = shift_sequence(item["input_ids"].to(torch.int64), item["loss_mask"])
-        out["x"][row, :n] = item["hidden"]
-        out["input_ids"][row, :n] = item["input_ids"]
-        out["input_ids_shifted"][row, :n] = shifted_ids
-        out["loss_mask"][row, :n] = shifted_mask.to(torch.float32)
-        out["attention_mask"][row, :n] = 1
-    return out
 
 
 # --------------------------------------------------------------------------- target head

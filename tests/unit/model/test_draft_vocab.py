@@ -4,7 +4,6 @@ tests/e2e/test_draft_vocab_engine.py)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace

@@ -73,7 +73,7 @@ def test_loss_falls(runs, method: str) -> None:
     history = _history(runs[method])
     assert len(history) == STEPS
     losses = [h["loss"] for h in history]
-    # measured: Medusa (soft-label CE only) 47 -> 36, EAGLE 1.2 -> 0.2
+    # on the tiny target Medusa's loss (soft-label CE only) falls by about a quarter, EAGLE's far more
     assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:3]), losses
     if method == "eagle":
         vloss = [h["vloss"][0] for h in history]

@@ -11,6 +11,7 @@ import torch
 
 from vllm_clover.training import data as D
 from vllm_clover.training import features as F
+from vllm_clover.training.batches import collate_features
 def _rec(rid: str, *turns: tuple[str, str]) -> dict:
     return {"id": rid, "conversations": [{"from": f, "value": v} for f, v in turns]}
 
@@ -338,7 +339,7 @@ def test_collate_shift_convention() -> None:
          "hidden": torch.arange(5 * h, dtype=torch.bfloat16).reshape(5, h)}
     b = {"input_ids": torch.tensor([20, 21, 22]), "loss_mask": torch.tensor([0, 1, 1], dtype=torch.uint8),
          "hidden": -torch.ones(3, h, dtype=torch.bfloat16)}
-    out = F.collate_features([a, b])
+    out = collate_features([a, b])
     assert out["x"].shape == (2, 5, h) and out["x"].dtype == torch.bfloat16
     assert torch.equal(out["x"][0], a["hidden"]) and not out["x"][1, 3:].any()
     # x_t pairs with y_{t+1}; the last real position and padding get 0.

@@ -1,4 +1,4 @@
-"""Training pipeline and evaluation (vllm_clover.training.train, vllm_clover.training.evaluate, CLI).
+"""Training pipeline and evaluation (vllm_clover.training.train and its parts, .evaluate, CLI).
 
 Everything runs on a tiny random Llama target (hidden 32, 2 layers) that shares the
 default model's tokenizer (``tiny_target`` and ``convs_file`` in conftest.py), so features,
@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from vllm_clover import cli
 from vllm_clover.training import evaluate as E
+from vllm_clover.training.batches import epoch_batches
 from vllm_clover.training import train as T
 from vllm_clover.model.checkpoint import load_drafter
 from vllm_clover.model.drafter import clover_loss
@@ -81,9 +82,9 @@ def test_batch_vocab_holds_base_batch_tokens_and_target_top_tokens() -> None:
 
 def test_epoch_batches_seeded_and_within_budget() -> None:
     lengths = np.random.default_rng(0).integers(5, 200, size=300)
-    a = T.epoch_batches(lengths, 1000, seed=1, epoch=0)
-    assert a == T.epoch_batches(lengths, 1000, seed=1, epoch=0)
-    assert a != T.epoch_batches(lengths, 1000, seed=1, epoch=1)
+    a = epoch_batches(lengths, 1000, seed=1, epoch=0)
+    assert a == epoch_batches(lengths, 1000, seed=1, epoch=0)
+    assert a != epoch_batches(lengths, 1000, seed=1, epoch=1)
     assert sorted(i for b in a for i in b) == list(range(300))  # every sequence once
     assert all(len(b) * max(lengths[b]) <= 1000 for b in a)
     plan = T.BatchPlan(lengths, 1000, seed=1)
