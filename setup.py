@@ -46,7 +46,7 @@ setup(
     packages=find_packages(include=["vllm_clover", "vllm_clover.*"]),
     py_modules=["vllm_clover_dist_alias"],
     include_package_data=True,
-    package_data={"vllm_clover": ["heads/**/*", "kernels/csrc/*.cpp"]},
+    package_data={"vllm_clover": ["heads/**/*"], "vllm_clover.kernels": ["csrc/*.cpp"]},
     cmdclass={"build_py": BuildPyWithPth},
     install_requires=[
         "safetensors>=0.4",
