@@ -213,18 +213,3 @@ def cgroup_memory_usage_without_page_cache(root_v2: Path = _CGROUP_V2,
     if usage is None:
         return None
     return max(0, usage - sum(stat.get(k, 0) for k in keys))
-
-
-def _vllm_cgroup_memory_usage() -> int | None:
-    """Stands in for vLLM's ``get_cgroup_memory_usage`` (same signature, no arguments)."""
-    return cgroup_memory_usage_without_page_cache()
-
-
-_vllm_cgroup_memory_usage.__vllm_clover_wrapped__ = True  # type: ignore[attr-defined]
-
-
-def install_cgroup_usage_fix() -> None:
-    """Make vLLM's cgroup clamp of available CPU memory ignore reclaimable page cache."""
-    from vllm.utils import cpu_resource_utils
-
-    cpu_resource_utils.get_cgroup_memory_usage = _vllm_cgroup_memory_usage
