@@ -61,6 +61,9 @@ _import_kernels_interpreted()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: end-to-end test that starts vLLM (runs in CI)")
+    config.addinivalue_line("markers", "gpu_path: the GPU tree-verification code (FlashAttention KV "
+                            "layout, varlen kernel, tree backend metadata); runs in the Triton "
+                            "interpreter on CPU, on CUDA where there is one")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -136,7 +139,24 @@ def venv_bin(name: str) -> str:
     return str(path)
 
 
-E2E_LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+ON_GPU = _on_gpu()
+# The dtype matrix of the tests that start vLLM. CPU: float32 (bit-exact greedy, the
+# losslessness claim). GPU: bfloat16, because the tree path runs on FlashAttention, which
+# has no float32 kernels (float32 would select TRITON_ATTN, which the front end refuses for
+# trees), and the drafter follows the model's dtype (draft_dtype is a CPU-build option the
+# front end refuses on a GPU).
+E2E_DTYPE = "bfloat16" if ON_GPU else "float32"
+# Clover options that pin the drafter's dtype: float32 products on CPU (the wiring tests
+# compare drafts exactly with the float32 reference), nothing on a GPU.
+CLOVER_DTYPE_OPTIONS: dict[str, str] = {} if ON_GPU else {"draft_dtype": "float32"}
+
+E2E_LLM_KWARGS = dict(dtype=E2E_DTYPE, enforce_eager=True, kv_cache_memory_bytes=1 << 30,
                       max_model_len=2048)
 
 

@@ -30,12 +30,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FIT_PROMPT, shutdown_llm
+from tests.conftest import CLOVER_DTYPE_OPTIONS, E2E_DTYPE, FIT_PROMPT, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
-LLM_KWARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
+LLM_KWARGS = dict(dtype=E2E_DTYPE, enforce_eager=True, kv_cache_memory_bytes=1 << 30,
                   max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256, max_num_seqs=16,
                   enable_prefix_caching=True, disable_log_stats=False)
 # vLLM refuses per-request spec-decode metrics without speculative decoding.
@@ -47,11 +47,12 @@ SHIPPED_DATASTORE = (Path(__file__).resolve().parents[2]
                      / "vllm_clover/heads/smollm2-135m-instruct-clover2/datastore.npz")
 # Tree mode: 9 nodes (3 / 3 / 2 / 1 per depth); the budget keeps the tree at 16 requests.
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
-# draft_dtype float32: the wiring tests compare drafts exactly with the float32 reference
-# (bfloat16 products, the default on AVX512-BF16 CPUs, are checked in the lossless suite).
-MODES = {"chain": {"num_speculative_tokens": K, "draft_dtype": "float32"},
-         "tree": {"tree": TREE, "tree_token_budget": 512, "draft_dtype": "float32"},
-         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512, "draft_dtype": "float32",
+# CLOVER_DTYPE_OPTIONS (tests/conftest.py): draft_dtype float32 on CPU, where the wiring tests
+# compare drafts exactly with the float32 reference (bfloat16 products, the default on
+# AVX512-BF16 CPUs, are checked in the lossless suite); the model's dtype on a GPU.
+MODES = {"chain": {"num_speculative_tokens": K, **CLOVER_DTYPE_OPTIONS},
+         "tree": {"tree": TREE, "tree_token_budget": 512, **CLOVER_DTYPE_OPTIONS},
+         "dynamic": {"tree": "dynamic", "dynamic_tree_nodes": 8, "tree_token_budget": 512, **CLOVER_DTYPE_OPTIONS,
                      "prompt_lookup_tokens": 3, "datastore": str(SHIPPED_DATASTORE)}}
 NUM_SPEC = {"chain": K, "tree": len(TREE), "dynamic": 8 + 3}
 # Sampling test prompt: the sensitized drafter's heads are fitted to its continuations

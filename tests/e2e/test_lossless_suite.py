@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import shutdown_llm
+from tests.conftest import E2E_DTYPE, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 48
-COMMON = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_batched_tokens=256,
+COMMON = dict(dtype=E2E_DTYPE, enforce_eager=True, max_model_len=1024, max_num_batched_tokens=256,
               enable_prefix_caching=True, disable_log_stats=False, seed=0)
 # 64 MiB of float32 KV = 1,365 tokens of the 30 target + 2 Clover layers (10 blocks of 128):
 # fewer than the running requests need, so the scheduler preempts.

@@ -89,8 +89,68 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     """
     spec = clover_spec(args)
     options = CloverOptions.from_spec(spec, target_model_config.hf_text_config)
+    refuse_unsupported(args, options, target_model_config.dtype)
     k = speculative_tokens(options, spec.pop("num_speculative_tokens", None))
     rewrite_args(args, spec, options, k)
+
+
+# ============================================================================ refusals
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# KV-cache dtypes tree verification reads and compacts as plain tensors: unquantised ones.
+TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# Attention backends (AttentionBackendEnum names) whose layers run the tree rows on GPU:
+# FlashAttention (the tree-rows hook) and the plugin's tree backend registered as CUSTOM
+# (vllm_clover/engine/attention_backend.py), which is FlashAttention's with tree metadata.
+TREE_GPU_BACKENDS = ("FLASH_ATTN", "CUSTOM")
+
+
+def refuse_unsupported(args: Any, options: CloverOptions, model_dtype: Any, on_cpu: bool | None = None) -> None:
+    """Refuse, before any engine process starts, the settings Clover cannot run right, each
+    with one :class:`CloverSpecError` line naming the setting and the way out.
+
+    ``args``: the EngineArgs; ``model_dtype``: the target's resolved torch dtype;
+    ``on_cpu``: vLLM's CPU build (default: the platform vLLM runs on)."""
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        # The plugin's runner patches wrap the V1 GPUModelRunner; vLLM picks the V1 runner for
+        # the medusa slot on its own (VllmConfig.use_v2_model_runner, checked by the patch
+        # catalogue) unless this variable forces V2.
+        raise CloverSpecError(f"{V2_RUNNER_ENV}=1 selects vLLM's V2 model runner, which Clover does not "
+                              f"support (it runs in the V1 runner's medusa slot); unset {V2_RUNNER_ENV} "
+                              "or set it to 0")
+    parallel = {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+                "pipeline_parallel_size": getattr(args, "pipeline_parallel_size", 1)}
+    for name, size in parallel.items():
+        if size and size > 1:
+            raise CloverSpecError(f"{name}={size}: Clover supports one worker (tensor and pipeline "
+                                  f"parallel size 1) only; leave {name} at 1 or serve without Clover")
+    if options.tree is None:
+        return
+    cache_dtype = str(getattr(args, "kv_cache_dtype", "auto") or "auto")
+    if cache_dtype not in TREE_KV_CACHE_DTYPES:
+        raise CloverSpecError(f"kv_cache_dtype={cache_dtype!r} with the tree option: tree verification "
+                              f"reads and moves unquantised KV only ({', '.join(TREE_KV_CACHE_DTYPES)}); "
+                              "use kv_cache_dtype 'auto' or chain drafting (leave out the tree option)")
+    if on_cpu is None:
+        from vllm_clover.engine.options import _on_cpu
+
+        on_cpu = _on_cpu()
+    if on_cpu:
+        return  # CPU_ATTN is the only CPU backend; its KV layout is checked at start-up
+    attention_config = getattr(args, "attention_config", None)
+    backend = getattr(args, "attention_backend", None) or getattr(attention_config, "backend", None)
+    name = str(getattr(backend, "name", backend)).upper() if backend is not None else None
+    if name is not None and name not in TREE_GPU_BACKENDS:
+        raise CloverSpecError(f"attention backend {name} with the tree option: tree verification on GPU "
+                              f"runs in {' or '.join(TREE_GPU_BACKENDS)}; leave --attention-backend unset "
+                              "or use chain drafting (leave out the tree option)")
+    import torch
+
+    if model_dtype == torch.float32:
+        raise CloverSpecError("dtype float32 with the tree option on GPU: tree verification runs in "
+                              "FlashAttention, which has no float32 kernels (vLLM would pick TRITON_ATTN); "
+                              "use --dtype bfloat16 or float16, or chain drafting (leave out the tree option)")
 
 
 def clover_spec(args: Any) -> dict[str, Any]:
