@@ -39,9 +39,51 @@ def check_init() -> None:
     for name in ("load_model", "_setup_eagle3_aux_hidden_state_outputs", "_get_eagle3_aux_layers_from_config"):
         assert callable(getattr(GPUModelRunner, name)), name
     assert "eagle_aux_hidden_state_layer_ids" in source(GPUModelRunner._get_eagle3_aux_layers_from_config)
+    check_runner_choice()
     # The CPU runner loads the drafter before setting up aux hidden states.
     cpu_load = source(CPUModelRunner.load_model)
     assert cpu_load.index("drafter.load_model") < cpu_load.index("_setup_eagle3_aux_hidden_state_outputs")
+
+
+def check_runner_choice() -> None:
+    """The patches wrap the V1 ``GPUModelRunner``: vLLM must keep choosing it for the medusa
+    slot. ``VllmConfig.use_v2_model_runner`` (config/vllm.py) takes V2 only when
+    ``VLLM_USE_V2_MODEL_RUNNER`` forces it (the front end refuses that) or no V2-unsupported
+    feature is listed, and medusa is one; both workers build the runner by that property."""
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    choice = source(VllmConfig.use_v2_model_runner.fget)
+    assert "envs.VLLM_USE_V2_MODEL_RUNNER" in choice
+    assert "self._get_v2_model_runner_unsupported_features()" in choice and "return False" in choice
+    unsupported = source(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert '"medusa"' in unsupported and "speculative_config.method in (" in unsupported
+    assert "self.use_v2_model_runner = vllm_config.use_v2_model_runner" in source(Worker.__init__)
+    cpu_init = source(CPUWorker.init_device)
+    assert "if self.use_v2_model_runner:" in cpu_init and "CPUModelRunner(self.vllm_config" in cpu_init
+
+
+def check_sync_scheduling() -> None:
+    """Drafts reach the scheduler through ``EngineCore.post_step`` only without async
+    scheduling, which the proposer and the draft-fetch patch rely on. vLLM turns async
+    scheduling off for medusa (``VllmConfig.__post_init__``: only EAGLE/MTP, n-gram GPU,
+    draft-model, DSpark and DFlash methods keep it; an explicit request is an error), and the
+    CPU platform always does."""
+    from typing import get_args
+
+    from vllm.config import VllmConfig
+    from vllm.config.speculative import EagleModelTypes, NgramGPUTypes
+    from vllm.platforms.cpu import CpuPlatform
+
+    assert "medusa" not in get_args(EagleModelTypes) + get_args(NgramGPUTypes)
+    post_init = source(VllmConfig.__post_init__)
+    rule = post_init[post_init.index("elif self.scheduler_config.async_scheduling is None:"):]
+    method = rule.index("self.speculative_config.method not in get_args(EagleModelTypes)")
+    warned = rule.index("Async scheduling not supported with", method)
+    assert rule.index("self.scheduler_config.async_scheduling = False", warned) < rule.index("elif", warned)
+    assert "only supported" in post_init[post_init.index("if self.scheduler_config.async_scheduling:"):]
+    assert "scheduler_config.async_scheduling = False" in source(CpuPlatform.check_and_update_config)
 
 
 RUNNER_INIT = Patch(
@@ -279,6 +321,7 @@ def check_engine_draft_fetch() -> None:
     # post_step follows the step it belongs to only without a batch queue.
     assert "self.batch_queue = deque(" in source(EngineCore.__init__)
     assert "self.post_step(model_executed)" in source(EngineCoreProc._process_engine_step)
+    check_sync_scheduling()
 
 
 ENGINE_DRAFT_FETCH = Patch(
