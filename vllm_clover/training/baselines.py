@@ -61,10 +61,11 @@ from vllm_clover.model.layers import AugmentingLayer, build_attention_mask, rope
 Tensor = torch.Tensor
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: (k, v), each [B, n_kv, S, head_dim]
 
-METHODS = ("clover", "medusa", "eagle")
+METHODS = ("clover", "medusa", "eagle", "eagle3")  # eagle3: trained by vllm_clover.training.eagle3
 BASELINES = ("medusa", "eagle")
 MEDUSA_ARCHITECTURE = "MedusaModel"
 EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"
+EAGLE3_ARCHITECTURE = "Eagle3LlamaForCausalLM"  # vllm_clover.training.eagle3
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 # Loss weights (decay per head, regression weight, soft-label CE weight) of clover_loss_backward:
@@ -339,18 +340,18 @@ def _read_config(directory: Path) -> dict[str, Any]:
 
 
 def checkpoint_method(directory: str | os.PathLike) -> str:
-    """"clover", "medusa" or "eagle", from ``<directory>/config.json``'s architectures."""
+    """"clover", "medusa", "eagle" or "eagle3", from ``<directory>/config.json``'s architectures."""
     from vllm_clover.model.checkpoint import CloverCheckpointError
 
     directory = Path(directory)
     archs = _read_config(directory).get("architectures") or []
     for arch, method in ((CLOVER_ARCHITECTURE, "clover"), (MEDUSA_ARCHITECTURE, "medusa"),
-                         (EAGLE_ARCHITECTURE, "eagle")):
+                         (EAGLE_ARCHITECTURE, "eagle"), (EAGLE3_ARCHITECTURE, "eagle3")):
         if arch in archs:
             return method
     raise CloverCheckpointError(
         f"{directory / CONFIG_NAME}: architectures {archs!r} is none of {CLOVER_ARCHITECTURE}, "
-        f"{MEDUSA_ARCHITECTURE}, {EAGLE_ARCHITECTURE}")
+        f"{MEDUSA_ARCHITECTURE}, {EAGLE_ARCHITECTURE}, {EAGLE3_ARCHITECTURE}")
 
 
 def load_baseline(directory: str | os.PathLike, target_config: Mapping[str, Any] | None = None,
