@@ -19,14 +19,18 @@ from typing import Sequence
 
 import torch
 
-from .kv_compact import HAS_TRITON, kv_compact_ref, kv_compact_triton
-from .tree_attention import gather_paged, tree_attention_ref, tree_attention_triton
+from .kv_compact import (HAS_TRITON, cache_table, kv_compact_layers_ref, kv_compact_layers_triton, kv_compact_ref,
+                         kv_compact_triton)
+from .tree_attention import (ancestor_bits, bits_to_mask, gather_paged, tree_attention_ref, tree_attention_triton,
+                             tree_attention_varlen_ref, tree_attention_varlen_triton)
 
 ENV_VAR = "VLLM_CLOVER_TREE_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
 
-__all__ = ["ENV_VAR", "HAS_TRITON", "backend_for", "gather_paged", "kv_compact", "kv_compact_ref",
-           "kv_compact_triton", "tree_attention", "tree_attention_ref", "tree_attention_triton"]
+__all__ = ["ENV_VAR", "HAS_TRITON", "ancestor_bits", "backend_for", "bits_to_mask", "cache_table", "gather_paged",
+           "kv_compact", "kv_compact_layers", "kv_compact_layers_ref", "kv_compact_layers_triton", "kv_compact_ref",
+           "kv_compact_triton", "tree_attention", "tree_attention_ref", "tree_attention_triton",
+           "tree_attention_varlen", "tree_attention_varlen_ref", "tree_attention_varlen_triton"]
 
 
 def backend_for(device: torch.device) -> str:
@@ -53,3 +57,22 @@ def kv_compact(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slot
     """Dispatching entry point; see :mod:`vllm_clover.kernels.kv_compact` for the contract."""
     fn = kv_compact_triton if backend_for(src_slots.device) == "triton" else kv_compact_ref
     fn(caches, src_slots, dst_slots)
+
+
+def tree_attention_varlen(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                          block_table: torch.Tensor, meta: torch.Tensor, anc_bits: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Dispatching entry point of the batched (varlen) tree attention; see
+    :mod:`vllm_clover.kernels.tree_attention`, section "varlen"."""
+    fn = tree_attention_varlen_triton if backend_for(q.device) == "triton" else tree_attention_varlen_ref
+    return fn(q, key_cache, value_cache, out, block_table, meta, anc_bits, scale)
+
+
+def kv_compact_layers(caches: Sequence[torch.Tensor], table: torch.Tensor, src: torch.Tensor,
+                      dst: torch.Tensor) -> None:
+    """Dispatching entry point of the one-launch compaction of every layer; see
+    :mod:`vllm_clover.kernels.kv_compact`, section "all layers"."""
+    if backend_for(src.device) == "triton":
+        kv_compact_layers_triton(caches, table, src, dst)
+    else:
+        kv_compact_layers_ref(caches, src, dst)

@@ -102,3 +102,68 @@ def kv_compact_triton(caches: Sequence[Tensor], src_slots: Tensor, dst_slots: Te
         grid = (b, triton.cdiv(row, block_e))
         _kv_compact_kernel[grid](c, src, dst, src.stride(0), src.stride(1), *c.stride(),
                                  m, d, row, page, BLOCK_M=block_m, BLOCK_E=block_e)
+
+
+# ============================================================================ all layers, one launch
+# One engine step's compaction for every layer at once: the caches (each layer's K and V
+# views) share shape, strides and dtype, so one program grid walks a table of their base
+# addresses. Moves are flat slots of the whole step, ``src``/``dst`` [M] long, -1 = none
+# (a fixed M per step, so a device-computed accepted path needs no host read).
+def cache_table(caches: Sequence[Tensor]) -> Tensor:
+    """int64 [L] base addresses of ``caches`` (all the same shape, strides, dtype and device),
+    for :func:`kv_compact_layers_triton`; build once, the caches do not move."""
+    first = caches[0]
+    for c in caches:
+        if c.shape != first.shape or c.stride() != first.stride() or c.dtype != first.dtype or c.device != first.device:
+            raise ValueError("caches of one compaction launch must share shape, strides, dtype and device")
+    return torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
+
+
+def kv_compact_layers_ref(caches: Sequence[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Reference of :func:`kv_compact_layers_triton`: :func:`kv_compact_ref` on one request row."""
+    kv_compact_ref(caches, src.view(1, -1), dst.view(1, -1))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _kv_compact_layers_kernel(TABLE, C0, SRC, DST, sc_b, sc_s, sc_h, sc_d,
+                                  num_moves, head_dim, row_elems, page,
+                                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        # One program: one cache of the table, one chunk of BLOCK_E elements of the row.
+        base = tl.load(TABLE + tl.program_id(0)).to(tl.pointer_type(C0.dtype.element_ty))
+        e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < num_moves
+        src = tl.load(SRC + m, mask=m_ok, other=-1).to(tl.int64)
+        dst = tl.load(DST + m, mask=m_ok, other=-1).to(tl.int64)
+        e_off = (e // head_dim) * sc_h + (e % head_dim) * sc_d
+        ok = (src >= 0)[:, None] & (e < row_elems)[None, :]
+        src_c = tl.maximum(src, 0)
+        dst_c = tl.maximum(dst, 0)
+        src_off = (src_c // page) * sc_b + (src_c % page) * sc_s
+        dst_off = (dst_c // page) * sc_b + (dst_c % page) * sc_s
+        rows = tl.load(base + src_off[:, None] + e_off[None, :], mask=ok)
+        tl.debug_barrier()  # every source row is read before any destination is written
+        tl.store(base + dst_off[:, None] + e_off[None, :], rows, mask=ok)
+
+
+def kv_compact_layers_triton(caches: Sequence[Tensor], table: Tensor, src: Tensor, dst: Tensor) -> None:
+    """Move ``cache[dst] = cache[src]`` (all reads before writes) in every cache of ``table``
+    (:func:`cache_table` of ``caches``) in one launch, grid ``(L, ceil(Hkv * D / BLOCK_E))``."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use kv_compact_layers_ref")
+    # Shapes only: checking the -1 places would read the moves back from the device.
+    if src.shape != dst.shape or src.dim() != 1 or table.numel() != len(caches):
+        raise ValueError("src and dst must both be [M], and table one address per cache")
+    m = src.numel()
+    if m == 0 or not len(caches):
+        return
+    c = caches[0]
+    _, page, hkv, d = c.shape
+    row = hkv * d
+    block_m = max(2, triton.next_power_of_2(m))
+    block_e = max(16, min(1024, triton.next_power_of_2(row), 16384 // block_m))
+    grid = (table.numel(), triton.cdiv(row, block_e))
+    _kv_compact_layers_kernel[grid](table, c, src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous(),
+                                    *c.stride(), m, d, row, page, BLOCK_M=block_m, BLOCK_E=block_e)
