@@ -3,8 +3,9 @@
 ``plugin.register`` calls :func:`apply_all`, which applies the patches below in order. Each
 patch is declared beside its installer and its shape check, one module per area:
 ``frontend`` (CLI and configuration), ``runner`` (model runner, attention, EngineCore),
-``cpu`` (CPU platform), ``registry`` (model architecture). Every attribute change goes through
-``patching.wrap``, which marks it, keeps ``__wrapped__``, and refuses to stack two patches.
+``cpu`` (CPU platform), ``registry`` (model architecture), ``metrics`` (spec-decode metrics).
+Every attribute change goes through ``patching.wrap``, which marks it, keeps ``__wrapped__``,
+and refuses to stack two patches.
 ``tests/unit/patches/test_patches.py`` runs each shape check against the installed vLLM, so an
 upgrade fails loudly instead of silently misbehaving. ``vllm-clover patches`` prints
 :func:`describe`.
@@ -12,7 +13,7 @@ upgrade fails loudly instead of silently misbehaving. ``vllm-clover patches`` pr
 
 from __future__ import annotations
 
-from vllm_clover.patches import cpu, frontend, registry, runner
+from vllm_clover.patches import cpu, frontend, metrics, registry, runner
 from vllm_clover.patches.patching import Patch, PatchConflict
 
 __all__ = ["CATALOGUE", "Patch", "PatchConflict", "apply_all", "describe"]
@@ -32,9 +33,11 @@ CATALOGUE: list[Patch] = [
     # Worker: the proposer and what it is given.
     runner.RUNNER_INIT,
     runner.RUNNER_PROPOSE,
+    runner.CALIBRATE,
     # vLLM CPU fixes that every engine needs.
     cpu.EXPAND_FIX,
     cpu.CGROUP_FIX,
+    cpu.LORA_OPS_FIX,
     runner.RUNNER_FITS,
     # Tree verification: positions and sampler, then attention.
     runner.TREE_PREPARE_INPUTS,
@@ -46,6 +49,8 @@ CATALOGUE: list[Patch] = [
     cpu.DRAFTER_CUSTOM_OPS,
     # EngineCore side.
     runner.ENGINE_DRAFT_FETCH,
+    # Metrics: trees report their drafted depth as drafted tokens (worker and scheduler).
+    metrics.TREE_DEPTH_METRICS,
 ]
 
 _applied: set[str] = set()
