@@ -1,0 +1,161 @@
+"""The adaptive tree's choice on synthetic cost curves (CPU-like: every verified row costs
+compute; GPU-like: flat for a hundred rows), its statistics and its node order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from vllm_clover.engine.adaptive import (AcceptanceStats, AdaptiveTree, StepClock, children_lists, heads_prior,
+                                         node_order, tree_of)
+from vllm_clover.engine.calibration import CostCurve, TOKEN_GRID, ROW_GRID
+
+HEADS = "vllm_clover/heads/smollm2-135m-instruct-clover2"
+
+
+def cpu_curve() -> CostCurve:
+    """25 ms for one token, 0.8 ms per further token (a 2-core CPU in float32)."""
+    tokens = list(TOKEN_GRID)
+    return CostCurve(tokens=tokens, target_ms=[25.0 + 0.8 * (t - 1) for t in tokens], rows=list(ROW_GRID),
+                     head_ms=[0.6 + 0.02 * m for m in ROW_GRID], trunk_ms=[1.0 + 0.05 * m for m in ROW_GRID])
+
+
+def gpu_curve() -> CostCurve:
+    """5 ms flat up to 128 tokens (memory-bound), then compute-bound."""
+    tokens = list(TOKEN_GRID) + [256, 512]
+    return CostCurve(tokens=tokens, target_ms=[5.0 if t <= 128 else 5.0 * t / 128 for t in tokens],
+                     rows=list(ROW_GRID), head_ms=[0.2] * len(ROW_GRID), trunk_ms=[0.3] * len(ROW_GRID))
+
+
+def chooser(curve: CostCurve, max_nodes: int = 16, max_lookup: int = 8) -> AdaptiveTree:
+    stats = AcceptanceStats([0.5, 0.45, 0.45, 0.45, 0.45], max_lookup)
+    return AdaptiveTree(curve=curve, stats=stats, max_nodes=max_nodes, max_lookup=max_lookup)
+
+
+def rows_of(shape, batch: int, chain: int) -> int:
+    n = shape.tree.num_nodes if shape.tree is not None else 0
+    return batch * (1 + n + min(shape.lookup, chain)) if shape.on else batch
+
+
+def test_more_rows_where_rows_are_cheap():
+    """At batch 1 the flat curve takes a larger tree than the CPU-like one, and both speculate."""
+    cpu = chooser(cpu_curve()).choose(1, [8], ["datastore"])
+    gpu = chooser(gpu_curve()).choose(1, [8], ["datastore"])
+    assert cpu.on and gpu.on
+    assert rows_of(gpu, 1, 8) > rows_of(cpu, 1, 8)
+    assert gpu.tree.num_nodes >= 12 and gpu.lookup == 8  # rows are free on the flat curve
+
+
+def test_cpu_like_shrinks_to_zero_speculation():
+    """On the CPU-like curve the rows per request fall as the batch grows, and at batch 32 a
+    row costs more than its expected gain: no speculation."""
+    tree = chooser(cpu_curve())
+    per_request = []
+    for b in (1, 2, 4, 8, 16, 32):
+        shape = tree.choose(b, [8] * b, ["datastore"] * b)
+        per_request.append(rows_of(shape, b, 8) / b)
+    assert per_request == sorted(per_request, reverse=True)
+    assert per_request[0] > 2
+    assert per_request[-1] == 1  # off
+    assert not tree.choose(32, [8] * 32, ["datastore"] * 32).on
+
+
+def test_zero_speculation_when_a_row_costs_more_than_its_gain():
+    """Rows that cost as much as a whole step never pay, even at batch 1."""
+    tokens = list(TOKEN_GRID)
+    steep = CostCurve(tokens=tokens, target_ms=[25.0 * t for t in tokens], rows=list(ROW_GRID),
+                      head_ms=[0.6] * len(ROW_GRID), trunk_ms=[1.0] * len(ROW_GRID))
+    assert not chooser(steep).choose(1, [8], ["prompt"]).on
+
+
+def test_gpu_like_speculates_at_large_batch():
+    """The flat curve keeps speculating at batch 32 (32 x rows stays under its knee)."""
+    shape = chooser(gpu_curve()).choose(32, [4] * 32, ["datastore"] * 32)
+    assert shape.on and rows_of(shape, 32, 4) <= 128 + 32
+
+
+def test_lookup_follows_the_chains():
+    """Long prompt-lookup chains get lookup tokens; no chains get none."""
+    tree = chooser(cpu_curve())
+    with_chains = tree.choose(1, [8], ["prompt"])
+    without = tree.choose(1, [0], ["prompt"])
+    assert with_chains.lookup > 0
+    assert rows_of(without, 1, 0) < rows_of(with_chains, 1, 8)
+
+
+def test_overhead_makes_speculation_pay_more():
+    """A large per-step overhead (learnt by the clock) favours speculation at a larger batch."""
+    base = chooser(cpu_curve())
+    heavy = chooser(cpu_curve())
+    for mode in (True, False):
+        heavy.clock.overhead_ms[(mode, 32)] = 60.0
+    assert not base.choose(32, [8] * 32, ["datastore"] * 32).on
+    assert heavy.choose(32, [8] * 32, ["datastore"] * 32).on
+
+
+def test_node_order_prefixes_are_trees():
+    """Every prefix of the best-first order is a valid StaticTree, and values never rise."""
+    q = AcceptanceStats([0.5, 0.4, 0.45, 0.45, 0.5], 4).head_rates()
+    order = node_order(q, 20)
+    assert list(order.values) == sorted(order.values, reverse=True)
+    for n in range(1, len(order.paths) + 1):
+        tree = tree_of(order.paths[:n])
+        assert tree.num_nodes == n
+    assert order.paths[0] == (0,)
+    assert np.isclose(order.depth_mass[1, 0], q[0, 0])
+
+
+def test_stats_learn_from_observations():
+    """Heads: a rank-1 child that is right every other step raises q[0][1] from its prior;
+    lookup: a chain that is right where the heads miss raises Lc."""
+    stats = AcceptanceStats([0.5, 0.4], 4)
+    tree = tree_of(((0,), (1,), (0, 0)))
+    kids = children_lists(tree)
+    before_q, before_l = stats.head_rates()[0, 1], stats.lookup_rates("prompt")
+    for i in range(400):
+        stats.step()
+        # heads tokens: node 1 = 10 (rank 0), node 2 = 11 (rank 1), node 3 = 12 (under node 1)
+        if i % 2:
+            stats.observe(kids, [10, 11, 12], [11, 7, 7], "prompt", [11, 7, 7])  # rank 1, then the chain
+        else:
+            stats.observe(kids, [10, 11, 12], [10, 12, 5], "prompt", [10, 12])  # the heads' spine
+    q = stats.head_rates()
+    assert q[0, 1] == pytest.approx(0.5, abs=0.05) and before_q < 0.3
+    assert q[0, 0] == pytest.approx(0.5, abs=0.05)
+    assert q[1, 0] > 0.75  # node 3 was right whenever node 1 was (the prior fades)
+    # depth 1 is always reached by the heads; at depth 3 the chain is right on the odd steps
+    # (the heads stop at 1) and wrong on the even ones (the heads stop at 2)
+    lc = stats.lookup_rates("prompt")
+    assert lc[0] == pytest.approx(before_l[0])
+    assert lc[2] == pytest.approx(0.5, abs=0.05)
+
+
+def test_heads_prior_from_the_shipped_evaluation():
+    """The shipped heads' held-out chain rates become conditionals (head 0 near 0.42)."""
+    q = heads_prior(HEADS, 5, 4096)
+    rates = json.load(open(f"{HEADS}/eval_selfdistill_dv4096.json"))["chain"][-1]["acceptance_rate_per_position"]
+    assert q[0] == pytest.approx(rates[0])
+    assert q[1] == pytest.approx(rates[1] / rates[0])
+    assert heads_prior("/nonexistent", 3) == [0.45, 0.45, 0.45]
+
+
+def test_clock_learns_overhead_and_ignores_idle_gaps():
+    clock = StepClock()
+    clock.drafted(0.0, 2.0, 2.0)
+    clock.tick(0.040, 1, 30.0)  # 40 ms cycle: 2 draft + 30 target -> 8 ms overhead
+    assert clock.overhead(1, True) == pytest.approx(8.0)
+    clock.drafted(1.0, 2.0, 2.0)
+    clock.tick(11.0, 1, 30.0)  # 10 s: the engine was idle
+    assert clock.overhead(1, True) == pytest.approx(8.0)
+    assert clock.overhead(4, False) == pytest.approx(8.0)  # nearest known, other mode
+
+
+def test_forced_choices_cycle():
+    tree = chooser(cpu_curve())
+    tree.forced = [(0, 0), (3, 2), (1, 0)]
+    shapes = [tree.choose(2, [4, 4], ["prompt", "prompt"]) for _ in range(3)]
+    assert not shapes[0].on
+    assert shapes[1].tree.num_nodes == 3 and shapes[1].lookup == 2
+    assert shapes[2].tree.num_nodes == 1 and shapes[2].lookup == 0
