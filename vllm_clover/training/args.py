@@ -49,6 +49,11 @@ class TrainArgs:
     threads: int = 1
     save_every: int = 100
     train_vocab: int = 0  # 0 = full vocabulary (exact loss)
+    # Cross-entropy over the first N ids of the draft-vocabulary ranking only, the vocabulary
+    # the heads are served with (draft_vocab_size); 0: off (docs/training.md).
+    draft_vocab: int = 0
+    # With a corpus as --data: train on its sequences inside corpus tokens [start, end).
+    token_range: tuple[int, int] | None = None
     # Target features and the drafter's products (autocast, LM-head products) in this dtype;
     # the CLI's "auto" picks float32 on CPUs without fast bf16 (cpu_env.fast_bf16_matmul).
     compute_dtype: str = "bfloat16"
@@ -74,6 +79,7 @@ class TrainArgs:
     def resume_key(self) -> dict[str, Any]:
         d = asdict(self)
         d["betas"] = list(d["betas"])
+        d["token_range"] = None if d["token_range"] is None else list(d["token_range"])
         return {k: v for k, v in d.items() if k not in self._RESUME_FREE}
 
     def validate(self) -> None:
@@ -90,6 +96,15 @@ class TrainArgs:
             raise TrainingError("give exactly one of --epochs or --steps")
         if self.init_from is not None and self.method != "clover":
             raise TrainingError("--init-from applies to --method clover only")
+        if self.draft_vocab and self.train_vocab:
+            raise TrainingError("give at most one of --draft-vocab and --train-vocab")
+        if self.draft_vocab < 0 or self.train_vocab < 0:
+            raise TrainingError("--draft-vocab and --train-vocab must be >= 0")
+        if self.token_range is not None:
+            from vllm_clover.training.corpus import is_corpus
+
+            if not is_corpus(self.data):
+                raise TrainingError(f"--token-range needs a corpus directory as --data (got {self.data!r})")
 
 
 def resolve_device(name: str) -> torch.device:

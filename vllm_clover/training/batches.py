@@ -1,8 +1,10 @@
-"""From a feature cache to training batches: the seeded epoch plan and the padded batch.
+"""From sequences to training batches: the seeded epoch plan and the padded batch.
 
 :func:`epoch_batches` / :class:`BatchPlan` decide which sequences form each step's batch (a
 pure function of the seed, so a resumed run replays the same batches); :func:`collate_features`
-pads those sequences into tensors.
+pads those sequences and their cached features into tensors, :func:`collate_sequences` the
+sequences alone (a corpus, whose features are computed per batch:
+:mod:`~vllm_clover.training.stream`).
 
 The shift convention
 --------------------
@@ -103,18 +105,14 @@ def shift_sequence(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[to
     return ids, mask
 
 
-def collate_features(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad sequences from :class:`features.FeatureDataset` into a training batch (right padding).
-
-    Returns x [B,T,H] bf16, input_ids [B,T], input_ids_shifted [B,T] (y_{t+1}),
+def collate_sequences(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad sequences (``input_ids`` [L], ``loss_mask`` [L]) into a training batch without the
+    target's features (right padding): input_ids [B,T], input_ids_shifted [B,T] (y_{t+1}),
     loss_mask [B,T] float32 (assistant bit of y_{t+1}), attention_mask [B,T], lengths [B];
-    the last real position and padding have shifted id 0 and mask 0 (module docstring).
-    """
+    the last real position and padding have shifted id 0 and mask 0 (module docstring)."""
     lengths = torch.tensor([len(item["input_ids"]) for item in batch], dtype=torch.int64)
     b, t = len(batch), int(lengths.max())
-    h = batch[0]["hidden"].shape[-1]
     out = {
-        "x": torch.zeros(b, t, h, dtype=batch[0]["hidden"].dtype),
         "input_ids": torch.zeros(b, t, dtype=torch.int64),
         "input_ids_shifted": torch.zeros(b, t, dtype=torch.int64),
         "loss_mask": torch.zeros(b, t, dtype=torch.float32),
@@ -123,13 +121,25 @@ def collate_features(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     }
     for row, item in enumerate(batch):
         n = len(item["input_ids"])
-        shifted_ids, shifted_mask = shift_sequence(item["input_ids"].to(torch.int64), item["loss_mask"])
-        out["x"][row, :n] = item["hidden"]
-        out["input_ids"][row, :n] = item["input_ids"]
+        shifted_ids, shifted_mask = shift_sequence(torch.as_tensor(item["input_ids"]).to(torch.int64),
+                                                   torch.as_tensor(item["loss_mask"]))
+        out["input_ids"][row, :n] = torch.as_tensor(item["input_ids"])
         out["input_ids_shifted"][row, :n] = shifted_ids
         out["loss_mask"][row, :n] = shifted_mask.to(torch.float32)
         out["attention_mask"][row, :n] = 1
     return out
+
+
+def collate_features(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Pad sequences from :class:`features.FeatureDataset` into a training batch: the
+    :func:`collate_sequences` batch plus x [B,T,H] (the cached ``hidden``, zero past each
+    sequence's end)."""
+    out = collate_sequences(batch)
+    b, t = out["input_ids"].shape
+    x = torch.zeros(b, t, batch[0]["hidden"].shape[-1], dtype=batch[0]["hidden"].dtype)
+    for row, item in enumerate(batch):
+        x[row, :len(item["input_ids"])] = item["hidden"]
+    return {"x": x, **out}
 
 
 def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:

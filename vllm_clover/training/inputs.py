@@ -211,6 +211,18 @@ class FeatureChunks:
         part = int(np.searchsorted(self._starts, index, side="right")) - 1
         return self.parts[part][index - int(self._starts[part])]
 
+    def collate(self, indices: Sequence[int]) -> dict[str, Tensor]:
+        """The padded training batch of ``indices`` with their cached features."""
+        from vllm_clover.training.batches import collate_features
+
+        return collate_features([self[i] for i in indices])
+
+    def token_ranking(self, vocab_size: int) -> Tensor:
+        """Token ids ranked for the draft vocabulary (long [V], draft_vocab.token_ranking)."""
+        from vllm_clover.model.draft_vocab import token_ranking
+
+        return token_ranking(self, vocab_size)
+
     def data_info(self) -> dict[str, int]:
         keys = ("num_conversations_in", "num_conversations_kept", "num_sequences", "num_tokens",
                 "num_loss_tokens")

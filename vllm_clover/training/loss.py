@@ -148,11 +148,9 @@ def loss_settings(args: "TrainArgs") -> tuple[float, float, float]:
 
 # ============================================================================ vocabulary subset
 def frequent_vocab(dataset, size: int, vocab_size: int) -> Tensor:
-    """The ``size`` most frequent response tokens of a feature cache (long [size], sorted ids);
-    ranking: :func:`vllm_clover.model.draft_vocab.token_ranking`."""
-    from vllm_clover.model.draft_vocab import token_ranking
-
-    return torch.sort(token_ranking(dataset, vocab_size)[:size]).values
+    """The first ``size`` ids of the dataset's draft-vocabulary ranking (long [size], sorted):
+    its most frequent response tokens (``dataset.token_ranking``)."""
+    return torch.sort(dataset.token_ranking(vocab_size)[:size]).values
 
 
 @torch.no_grad()

@@ -38,8 +38,11 @@ from vllm_clover.model.config import CloverConfig
 from vllm_clover.model.drafter import CloverDrafter, init_from_target, match_token_value_scale
 from vllm_clover.training.args import TrainArgs, TrainingError, device_name, log, resolve_device
 from vllm_clover.training.baselines import build_baseline, save_baseline, shape_config
-from vllm_clover.training.batches import BatchPlan, collate_features, to_device
+from vllm_clover.training.batches import BatchPlan, to_device
+from vllm_clover.training.corpus import Corpus, is_corpus
 from vllm_clover.training.inputs import FeatureChunks, build_feature_chunks, check_target, resolve_target, select_conversations
+from vllm_clover.training.state import LEGACY_PICKLE, StateError, has_state, load_state, save_state
+from vllm_clover.training.stream import CorpusSlice, TargetFeatures
 from vllm_clover.training.loss import batch_vocab, clover_loss_backward, frequent_vocab, loss_chunk_rows, loss_settings
 
 Tensor = torch.Tensor
@@ -47,7 +50,9 @@ Tensor = torch.Tensor
 # Heads shipped inside the package for the default model (docs/training.md, section 6).
 SHIPPED_HEADS = "smollm2-135m-instruct-clover2"
 CHECKPOINT_DIR = "checkpoint"
-STATE_FILE = "state.pt"
+# While the file this variable names exists, the loop sleeps between steps (a measurement
+# elsewhere on the machine wants the CPU); checkpoints and the result are unaffected.
+PAUSE_ENV = "VLLM_CLOVER_PAUSE_FILE"
 
 
 def shipped_heads_dir(name: str = SHIPPED_HEADS) -> Path:
@@ -175,11 +180,14 @@ class _Run:
 
 
 def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) a training run; returns the ``training.json`` content.
+          progress: bool = True, deadline: float | None = None) -> dict[str, Any]:
+    """Run (or resume) a training run; returns the ``training.json`` content, or
+    ``{"interrupted_at_step": n}`` when it stopped early with a checkpoint.
 
     ``stop_after``: stop (after checkpointing) once this many steps are done in this call,
-    to simulate an interruption (tests, ``--stop-after``). Raises :class:`TrainingError`.
+    to simulate an interruption (tests, ``--stop-after``). ``deadline``: a ``time.time()``
+    after which no new step starts (the run checkpoints and stops; ``--stop-at``).
+    Raises :class:`TrainingError`.
     """
     t_start = time.perf_counter()
     args.validate()
@@ -194,7 +202,7 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     if resume:
         _restore_training_state(run, state_path)
     out.mkdir(parents=True, exist_ok=True)
-    if not _train_loop(run, stop_after, progress):
+    if not _train_loop(run, stop_after, progress, deadline):
         return {"interrupted_at_step": run.step}
     return _finish(run, timings, t_start)
 
@@ -203,20 +211,29 @@ def _output_dir(args: TrainArgs, resume: bool) -> tuple[Path, Path]:
     """(output dir, checkpoint state file); refuses a resume without a checkpoint and a new
     run over an existing one."""
     out = Path(args.out).expanduser()
-    state_path = out / CHECKPOINT_DIR / STATE_FILE
-    if resume and not state_path.is_file():
-        raise TrainingError(f"--resume: no checkpoint at {state_path}")
-    if not resume and (state_path.is_file() or (out / "training.json").is_file()):
+    state_path = out / CHECKPOINT_DIR
+    if resume and not (has_state(state_path) or (state_path / LEGACY_PICKLE).is_file()):
+        raise TrainingError(f"--resume: no checkpoint in {state_path}")
+    if not resume and (state_path.is_dir() or (out / "training.json").is_file()):
         raise TrainingError(f"output directory {out} already holds a training run; "
                             "pass --resume to continue it or choose another --out")
     return out, state_path
 
 
 def _training_data(args: TrainArgs, target: Path, device: torch.device
-                   ) -> tuple[FeatureChunks, dict[str, Any], dict[str, float]]:
-    """The conversations' feature caches (computed once, reused) as one dataset, what
-    training.json records about them, and the seconds spent on data and on features."""
+                   ) -> tuple[FeatureChunks | CorpusSlice, dict[str, Any], dict[str, float]]:
+    """The training dataset, what training.json records about it, and the seconds spent on
+    data and on features: a corpus slice whose features the target computes per batch, or
+    the conversations' feature caches (computed once, reused) as one dataset."""
     t0 = time.perf_counter()
+    if is_corpus(args.data):
+        corpus = Corpus(args.data)
+        _check_corpus_target(corpus, target)
+        start, end = args.token_range if args.token_range is not None else (None, None)
+        ds = CorpusSlice(corpus, start, end)
+        ds.features = TargetFeatures(target, args.compute_dtype, device)
+        data_info = {"source": corpus.info["source"], **ds.data_info()}
+        return ds, data_info, {"data": time.perf_counter() - t0, "features": 0.0}
     chunks, label = select_conversations(args.data, args.num_conversations, target,
                                          args.distill_max_new_tokens, args.distill_dtype)
     if not chunks:
@@ -230,12 +247,23 @@ def _training_data(args: TrainArgs, target: Path, device: torch.device
     return ds, data_info, {"data": t_data, "features": t_features}
 
 
+def _check_corpus_target(corpus: Corpus, target: Path) -> None:
+    """Refuse a corpus tokenized for another target (its config and tokenizer fingerprints)."""
+    from vllm_clover.training.features import target_fingerprint
+
+    want, have = corpus.info["target"], target_fingerprint(target)
+    if want.get("config_sha256") != have.get("config_sha256"):
+        raise TrainingError(f"corpus {corpus.path} was tokenized for another target "
+                            f"({want.get('name') or want.get('dir')}); build one for {target}")
+
+
 def _prepare_run(args: TrainArgs, device: torch.device, out: Path, target: Path, target_config: dict[str, Any],
-                 ds: FeatureChunks, data_info: dict[str, Any]) -> _Run:
+                 ds: FeatureChunks | CorpusSlice, data_info: dict[str, Any]) -> _Run:
     """Seed the RNGs, build the model on the frozen target head, plan the batches and
     set up the optimizer and its schedule (in this order: the random draws depend on it)."""
     drafter, config, norm_w, eps, lm_head = _seeded_model(args, target, target_config, device)
-    vocab = frequent_vocab(ds, args.train_vocab, config.vocab_size).to(device) if args.train_vocab else None
+    size = args.train_vocab or args.draft_vocab
+    vocab = frequent_vocab(ds, size, config.vocab_size).to(device) if size else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
     if args.token_value_init == "matched" and args.init_from is None:
         _match_token_values(drafter, ds, plan, device)
@@ -277,14 +305,14 @@ def _seeded_model(args: TrainArgs, target: Path, target_config: dict[str, Any], 
 def _match_token_values(drafter: CloverDrafter, ds: FeatureChunks, plan: BatchPlan, device: torch.device) -> None:
     """``--token-value-init matched``: scale the token value projections to the states they
     are added to, measured on the first batch."""
-    first = to_device(collate_features([ds[i] for i in plan.epoch(0)[0]]), device)
+    first = to_device(ds.collate(plan.epoch(0)[0]), device)
     scales = match_token_value_scale(drafter, token_state_rms(drafter, first), rms(drafter.embed_weight))
     log("token value projections initialised as s*I: " + ", ".join(f"{k} s={v:.1f}" for k, v in scales.items()))
 
 
-def _train_loop(run: _Run, stop_after: int | None, progress: bool) -> bool:
+def _train_loop(run: _Run, stop_after: int | None, progress: bool, deadline: float | None = None) -> bool:
     """Train from ``run.step`` to ``run.total_steps``, checkpointing every ``save_every``
-    steps; False when ``stop_after`` steps of this call stopped it early."""
+    steps; False when ``stop_after`` steps of this call or the deadline stopped it early."""
     args = run.args
     run.drafter.train()
     bar = _progress_bar(run) if progress else None
@@ -292,9 +320,14 @@ def _train_loop(run: _Run, stop_after: int | None, progress: bool) -> bool:
     done_here = 0
     try:
         while run.step < run.total_steps:
+            _wait_while_paused()
+            if deadline is not None and time.time() >= deadline:
+                _checkpoint(run, run.elapsed_before + time.perf_counter() - t_loop)
+                log(f"deadline reached at step {run.step}/{run.total_steps}; continue with --resume")
+                return False
             epoch, j = run.plan.locate(run.step)
             wall0, cpu0 = time.perf_counter(), time.process_time()
-            batch = to_device(collate_features([run.ds[i] for i in run.plan.epoch(epoch)[j]]), run.device)
+            batch = to_device(run.ds.collate(run.plan.epoch(epoch)[j]), run.device)
             record = train_step(run.drafter, run.optimizer, run.scheduler, batch, run.norm_w, run.eps,
                                 run.lm_head, run.vocab, args)
             run.step += 1
@@ -321,6 +354,17 @@ def _train_loop(run: _Run, stop_after: int | None, progress: bool) -> bool:
     return True
 
 
+def _wait_while_paused() -> None:
+    """Sleep while the pause file (``$VLLM_CLOVER_PAUSE_FILE``) exists."""
+    path = os.environ.get(PAUSE_ENV)
+    if not path or not os.path.exists(path):
+        return
+    log(f"paused while {path} exists")
+    while os.path.exists(path):
+        time.sleep(2.0)
+    log("resumed")
+
+
 def _progress_bar(run: _Run):
     from tqdm import tqdm
 
@@ -335,9 +379,9 @@ def _finish(run: _Run, timings: dict[str, float], t_start: float) -> dict[str, A
     run.drafter.cpu()
     save_model(out, run.drafter, run.config, args.method, run.target, run.target_config)
     if args.method == "clover":
-        from vllm_clover.model.draft_vocab import save_draft_vocab, token_ranking
+        from vllm_clover.model.draft_vocab import save_draft_vocab
 
-        save_draft_vocab(out, token_ranking(run.ds, run.config.vocab_size), run.data_info["source"])
+        save_draft_vocab(out, run.ds.token_ranking(run.config.vocab_size), run.data_info["source"])
     report = _report(run, timings, t_start)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in run.history))
@@ -395,8 +439,10 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=args.compute_dtype == "bfloat16"):
         outputs = drafter.forward_train(x, batch["input_ids_shifted"], batch["attention_mask"])
     optimizer.zero_grad(set_to_none=True)
-    step_vocab = None if vocab is None else batch_vocab(
-        vocab, target_hidden, batch["loss_mask"], batch["input_ids"], lm_head)
+    if vocab is None or args.draft_vocab:
+        step_vocab = vocab  # the full vocabulary, or the served draft vocabulary as it is
+    else:
+        step_vocab = batch_vocab(vocab, target_hidden, batch["loss_mask"], batch["input_ids"], lm_head)
     decay, v_w, p_w = loss_settings(args)
     loss, m = clover_loss_backward(outputs, target_hidden, lm_head, batch["loss_mask"],
                                    decay, v_w, p_w, vocab=step_vocab, chunk_rows=loss_chunk_rows(x.device))
@@ -449,16 +495,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_training_state(out: Path, drafter: CloverDrafter, optimizer, scheduler, step: int,
                         args: TrainArgs, history: list[dict[str, Any]], elapsed: float) -> Path:
-    """Write ``<out>/checkpoint/state.pt`` atomically (model fp32, optimizer, scheduler, RNG)."""
-    ckpt = out / CHECKPOINT_DIR
-    ckpt.mkdir(parents=True, exist_ok=True)
+    """Write ``<out>/checkpoint/`` (model fp32, optimizer, scheduler, RNG) as safetensors +
+    JSON (:mod:`~vllm_clover.training.state`); returns the directory."""
     state = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "step": step, "rng": _rng_state(),
              "args": args.resume_key(), "history": history, "elapsed": elapsed}
-    tmp = ckpt / f".{STATE_FILE}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, ckpt / STATE_FILE)
-    return ckpt / STATE_FILE
+    save_state(out / CHECKPOINT_DIR, state, step)
+    return out / CHECKPOINT_DIR
 
 
 def _checkpoint(run: _Run, elapsed: float) -> None:
@@ -470,7 +513,10 @@ def _restore_training_state(run: _Run, state_path: Path) -> None:
     """Load model, optimizer, scheduler, progress and RNG state from ``state_path``;
     refuses a checkpoint made with other settings (``TrainArgs.resume_key``)."""
     args = run.args
-    state = torch.load(state_path, map_location=run.device, weights_only=False)
+    try:
+        state = load_state(state_path, run.device)
+    except StateError as exc:
+        raise TrainingError(f"--resume: {exc}") from None
     if state["args"] != args.resume_key():
         diff = sorted(k for k in args.resume_key() if state["args"].get(k) != args.resume_key()[k])
         raise TrainingError(f"--resume: {state_path} was made with different settings ({', '.join(diff)})")

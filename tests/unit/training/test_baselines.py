@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from vllm_clover.training.state import load_state
 from vllm_clover.training import baselines as B
 from vllm_clover.training import evaluate as E
 from vllm_clover.training import train as T
@@ -146,8 +147,8 @@ def test_resume_gives_identical_weights_for_eagle(tiny_target, convs_file, tmp_p
     args = _args(tiny_target, convs_file, part, **kw)
     assert T.train(args, stop_after=3, progress=False) == {"interrupted_at_step": 3}
     T.train(args, resume=True, progress=False)
-    a = torch.load(full / "checkpoint" / "state.pt", weights_only=False)
-    b = torch.load(part / "checkpoint" / "state.pt", weights_only=False)
+    a = load_state(full / "checkpoint")
+    b = load_state(part / "checkpoint")
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 

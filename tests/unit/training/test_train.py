@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vllm_clover.training.state import load_state
 from vllm_clover import cli
 from vllm_clover.training import evaluate as E
 from vllm_clover.training.batches import epoch_batches
@@ -129,8 +130,8 @@ def test_resume_after_interruption_gives_identical_weights(tiny_target, convs_fi
     with pytest.raises(T.TrainingError, match="--resume"):
         T.train(args, progress=False)  # refuses to overwrite the interrupted run
     T.train(args, resume=True, progress=False)
-    a = torch.load(full / "checkpoint" / "state.pt", weights_only=False)
-    b = torch.load(part / "checkpoint" / "state.pt", weights_only=False)
+    a = load_state(full / "checkpoint")
+    b = load_state(part / "checkpoint")
     assert a["step"] == b["step"] == 6
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
