@@ -1,4 +1,4 @@
-"""Side-by-side speculative-decoding benchmark: vanilla, ngram, medusa, eagle, clover.
+"""Side-by-side speculative-decoding benchmark: vanilla, ngram, medusa, eagle, eagle3, clover.
 
 For every method and batch size it runs vLLM on the same prompts with the same settings,
 alternating methods and repeating to spread machine noise, and reports per
@@ -13,7 +13,7 @@ Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...][!VAR=VALUE;...]`` (``@K`` overr
 ``--num-speculative-tokens`` for that method; ``?...`` adds integer or string entries to its
 ``speculative_config``, e.g. Clover's ``draft_vocab_size``; ``!...`` sets environment
 variables of that method's process, e.g. ``vanilla!VLLM_CLOVER_CPU_LINEAR=0``), e.g.
-``ngram@4``, ``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``,
+``ngram@4``, ``medusa:/ckpt/medusa``, ``eagle:/ckpt/eagle@3``, ``eagle3:/ckpt/eagle3@3``,
 ``clover:/ckpt/clover@4?draft_vocab_size=4096``. A method with environment variables is
 compared with the ``vanilla`` run under the same variables when the run has one (like for
 like), else with plain ``vanilla``.
@@ -74,7 +74,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-METHODS = ("vanilla", "ngram", "medusa", "eagle", "clover")
+METHODS = ("vanilla", "ngram", "medusa", "eagle", "eagle3", "clover")
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def parse_method(text: str) -> MethodSpec:
     name, _, path = body.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {text!r}; choose from {', '.join(METHODS)}")
-    if name in ("medusa", "eagle", "clover") and not path:
+    if name in ("medusa", "eagle", "eagle3", "clover") and not path:
         raise ValueError(f"method {name!r} needs a checkpoint path: {name}:PATH")
     if name in ("vanilla", "ngram") and path:
         raise ValueError(f"method {name!r} takes no checkpoint path (got {path!r})")
