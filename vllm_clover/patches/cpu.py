@@ -1,6 +1,6 @@
-"""CPU patches: the environment of spawned processes, the ``vllm`` distribution alias, two vLLM
+"""CPU patches: the environment of spawned processes, the ``vllm`` distribution alias, three vLLM
 CPU fixes, the float32 linear kernel and the drafter's own CPU dispatch. The code they install
-lives in vllm_clover/cpu/ (env, linear), vllm_clover/engine/ and vllm_clover_dist_alias.py."""
+lives in vllm_clover/cpu/ (env, linear, lora_ops), vllm_clover/engine/ and vllm_clover_dist_alias.py."""
 
 from __future__ import annotations
 
@@ -152,6 +152,65 @@ CGROUP_FIX = Patch(
     remove_when="vLLM's cgroup usage excludes reclaimable memory (check fails then)",
     apply=install_cgroup_fix,
     check=check_cgroup_fix,
+)
+
+
+# ------------------------------------------------------------------ LoRA rows without an adapter
+def install_lora_ops_fix() -> None:
+    """Wrap the CPU LoRA ops where they are looked up: in ``lora_ops`` (the ``sgmv_*`` ops call
+    them there), the ``torch_ops`` package (``punica_cpu`` imports them from it) and, if it is
+    already imported, ``punica_cpu`` itself (importing it here would cost seconds per process)."""
+    import sys
+
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from vllm_clover.cpu import env as cpu_env
+    from vllm_clover.cpu.lora_ops import OPS, skip_rows_without_adapter
+
+    if not cpu_env.is_cpu_platform():
+        return
+    owners = [lora_ops, torch_ops]
+    if "vllm.lora.punica_wrapper.punica_cpu" in sys.modules:
+        owners.append(sys.modules["vllm.lora.punica_wrapper.punica_cpu"])
+    for name in OPS:
+        original = getattr(lora_ops, name)
+        ours = original if patched_by(original) == LORA_OPS_FIX.name else skip_rows_without_adapter(original)
+        for owner in owners:
+            replace(owner, name, ours, LORA_OPS_FIX)
+
+
+def check_lora_ops_fix() -> None:
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.platforms.cpu import CpuPlatform
+
+    from vllm_clover.cpu.lora_ops import OPS
+
+    for name in OPS:
+        body = source(getattr(lora_ops, name))
+        assert "lora_b_weights[lora_indices_tensor]" in body and "-1" not in body, \
+            f"vLLM's CPU LoRA op {name} changed (no-adapter rows handled?): re-check, maybe drop this patch"
+    for name in ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice"):
+        assert f"\n    b{name[1:]}(" in source(getattr(lora_ops, name)), name
+    assert "PunicaWrapperCPU" in source(CpuPlatform.get_punica_wrapper)
+    import importlib.util
+    from pathlib import Path
+
+    punica = Path(importlib.util.find_spec("vllm.lora.punica_wrapper.punica_cpu").origin).read_text()
+    assert "from vllm.lora.ops.torch_ops import (" in punica
+
+
+LORA_OPS_FIX = Patch(
+    name="cpu-lora-no-adapter-rows",
+    target="vllm.lora.ops.torch_ops.lora_ops.bgmv_shrink / bgmv_expand / bgmv_expand_slice (PunicaWrapperCPU)",
+    why=("vLLM CPU bug, every engine with --enable-lora: the PyTorch LoRA ops index the adapter weights "
+         "with the no-adapter index -1, which selects the last adapter slot, so a request without an "
+         "adapter batched next to one with it gets the adapter's update (with max_loras=1 always). Rows "
+         "without an adapter are left untouched, as vLLM's Triton kernels do (cpu/lora_ops.py)."),
+    upstream="vllm-project/vllm#48421 (skip no-LoRA tokens in the CPU torch bgmv ops)",
+    remove_when="vLLM's CPU LoRA ops skip index -1 (check fails then)",
+    apply=install_lora_ops_fix,
+    check=check_lora_ops_fix,
 )
 
 
