@@ -90,8 +90,26 @@ def translate_engine_args(args: Any, target_model_config: Any) -> None:
     spec = clover_spec(args)
     options = CloverOptions.from_spec(spec, target_model_config.hf_text_config)
     refuse_unsupported(args, options, target_model_config.dtype)
+    select_tree_backend(args, options)
     k = speculative_tokens(options, spec.pop("num_speculative_tokens", None))
     rewrite_args(args, spec, options, k)
+
+
+def select_tree_backend(args: Any, options: CloverOptions, on_cpu: bool | None = None) -> None:
+    """With a tree on a GPU and no attention backend chosen, choose the plugin's tree backend
+    (``CUSTOM``: FlashAttention's, with the step's tree metadata in its attention metadata;
+    vllm_clover/engine/attention_backend.py). FLASH_ATTN chosen explicitly also verifies trees
+    (the tree-rows hook reads the same metadata from the engine's context)."""
+    if options.tree is None:
+        return
+    if on_cpu is None:
+        from vllm_clover.engine.options import _on_cpu
+
+        on_cpu = _on_cpu()
+    attention_config = getattr(args, "attention_config", None)
+    if on_cpu or args.attention_backend is not None or getattr(attention_config, "backend", None) is not None:
+        return
+    args.attention_backend = "CUSTOM"
 
 
 # ============================================================================ refusals

@@ -50,7 +50,11 @@ Tensor = torch.Tensor
 
 def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
                  query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """EAGLE-shifted trunk tokens and per-request gather indices (CPU, no Python loop).
+    """EAGLE-shifted trunk tokens and per-request gather indices (CPU, no Python loop): the
+    definition, read straight from the committed tokens; the proposer runs
+    :func:`device_trunk_inputs`, which gives the same values without reading positions back
+    from the device.
+
 
     token_ids [R, L]: the persistent batch's committed tokens (row i = request i);
     num_tokens [B]: committed tokens per request (prompt + outputs, drafts excluded);
@@ -79,6 +83,73 @@ def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
     last = torch.minimum(torch.maximum(last, starts), ends - 1)
     first = token_ids[torch.arange(b), (num_tokens - 1).clamp(min=0)].long()
     return y, last, first
+
+
+@dataclasses.dataclass
+class TrunkInputs:
+    """The trunk's inputs of one step, as :func:`trunk_inputs` defines them, built without
+    reading any device tensor back (:func:`device_trunk_inputs`)."""
+
+    y: Tensor               # [N] long, on the device: EAGLE-shifted token of every row
+    last: Tensor            # [B] long, on the device: each request's last accepted row
+    first: Tensor           # [B] long, on the device: each request's last committed token
+    last_positions: Tensor  # [B] long, on the CPU: the position of row ``last``
+
+
+def request_trunk_inputs(token_ids: Tensor, num_tokens: Tensor, first_positions: Tensor,
+                         query_start_loc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-request half of :func:`device_trunk_inputs`, from the runner's host-side
+    bookkeeping only (CPU tensors, B values each).
+
+    token_ids [R, L], num_tokens [B] as in :func:`trunk_inputs`; first_positions [B]: the
+    position of each request's first scheduled row (``num_computed_tokens``, exact on the
+    host under synchronous scheduling, which Clover's medusa slot has; rows of a request
+    then sit at consecutive positions, also in a ``trunk_view`` of accepted tree paths);
+    query_start_loc [B+1].
+
+    Returns (last [B], first [B], next_token [B]: the token after row ``last``,
+    last_positions [B]), all long."""
+    b = query_start_loc.numel() - 1
+    starts = query_start_loc[:-1].long()
+    counts = query_start_loc[1:].long() - starts
+    num_tokens = num_tokens[:b].long()
+    first_positions = first_positions[:b].long()
+    offset = torch.minimum(torch.clamp(num_tokens - 2 - first_positions, min=0), counts - 1)
+    last_positions = first_positions + offset
+    rows = torch.arange(b)
+    next_token = token_ids[rows, (last_positions + 1).clamp(max=token_ids.shape[1] - 1)].long()
+    first = token_ids[rows, (num_tokens - 1).clamp(min=0)].long()
+    return starts + offset, first, next_token, last_positions
+
+
+def device_trunk_inputs(token_ids: Tensor, num_tokens: Tensor, first_positions: Tensor,
+                        query_start_loc: Tensor, input_ids: Tensor, positions: Tensor) -> TrunkInputs:
+    """:func:`trunk_inputs` with the per-row work on the device and no host sync.
+
+    Host side (:func:`request_trunk_inputs`): B values per request, copied to the device in one
+    non-blocking transfer. Device side, per row t of request r: y[t] = the next row's input
+    token (``input_ids[t + 1]``) while t is before r's last accepted row (that token is
+    committed: an accepted draft or a prompt token, at position(t) + 1), the request's next
+    token at its last accepted row (the token just sampled, or the next prompt token of a
+    partial prefill), 0 past it (rejected drafts), exactly as :func:`trunk_inputs` reads them
+    from the committed tokens (tests/unit/engine/test_trunk_inputs.py).
+
+    input_ids [N] and positions [N]: the scheduled rows' tokens and positions on the device
+    (in a trunk view, the kept rows); the other arguments as in :func:`request_trunk_inputs`."""
+    last, first, next_token, last_positions = request_trunk_inputs(token_ids, num_tokens, first_positions,
+                                                                   query_start_loc)
+    b = last.numel()
+    host = torch.stack([last, first, next_token, num_tokens[:b].long(), query_start_loc[1:].long()])
+    dev = host.to(positions.device, non_blocking=True)  # [5, B]
+    n = positions.numel()
+    row = torch.arange(n, device=positions.device)
+    # Request of every row: rows before query_start_loc[r + 1] belong to r or earlier.
+    row_req = torch.searchsorted(dev[4], row, right=True)
+    valid = positions.long() + 1 < dev[3][row_req]
+    shifted = input_ids[(row + 1).clamp(max=max(n - 1, 0))].long()
+    y = torch.where(row == dev[0][row_req], dev[2][row_req], shifted)
+    y = torch.where(valid, y, torch.zeros_like(y))
+    return TrunkInputs(y=y, last=dev[0], first=dev[1], last_positions=last_positions)
 
 
 class CloverProposer(MedusaProposer):
@@ -119,6 +190,9 @@ class CloverProposer(MedusaProposer):
         # This engine's tree plan of the step in flight: published by the runner hooks, read by
         # the target's attention layers (bound in load_model) and the rejection sampler.
         self.tree_context = TreeStepContext()
+        # FlashAttention layout: the tree steps' device metadata (attention_backend.py), sized
+        # for max_num_seqs trees of K + 1 rows; set in load_model.
+        self.tree_metadata_buffers: Any = None
         # Retrieval drafts where the prompt lookup finds nothing (datastore.py), or None.
         self.datastore: NgramDatastore | None = None
 
@@ -165,6 +239,12 @@ class CloverProposer(MedusaProposer):
         if self.tree is not None:
             self._check_tree_support(target_model)
             self._bind_tree_context(target_model)
+            if _uses_flash_layout(target_model):
+                from vllm_clover.engine.attention_backend import TreeMetadataBuffers, bind_tree_context
+
+                self.tree_metadata_buffers = TreeMetadataBuffers(
+                    self.vllm_config.scheduler_config.max_num_seqs, self.num_speculative_tokens + 1, self.device)
+                bind_tree_context(self.tree_context)
         if self.options.datastore:
             self.datastore = load_datastore(self.options.datastore, cfg.vocab_size)
 
@@ -245,27 +325,32 @@ class CloverProposer(MedusaProposer):
             self.tree_drafts = {}
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         positions = runner.positions[:n]
+        input_ids = runner.input_ids.gpu[:n]
         cm = common_attn_metadata
         qsl = cm.query_start_loc_cpu[: b + 1]
+        # Positions of the first scheduled rows (sync scheduling: exact on the host).
+        first_positions = batch.num_computed_tokens_cpu_tensor[:b]
         view = trunk_view(tree_step, qsl.numpy(), b, cm.slot_mapping[:n])
         if view is not None:
             # After a tree step: only the accepted paths, as chains on contiguous slots.
             rows, qsl, slots = view
-            x, positions = x[rows.to(x.device)], positions[rows.to(positions.device)]
-            cm, slot_mappings, n = _chain_view_metadata(cm, qsl, slots, b), None, rows.numel()
-        y, last, first = trunk_inputs(batch.token_ids_cpu_tensor,
-                                      batch.num_tokens_no_spec_cpu_tensor, positions.cpu(), qsl)
-        z = self._run_trunk(runner, x, y.to(x.device), positions, cm, slot_mappings, n)
-        z_last, first = z[last.to(x.device)], first.to(x.device)
+            rows_dev = rows.to(x.device)
+            x, positions, input_ids = x[rows_dev], positions[rows_dev], input_ids[rows_dev]
+            cm, slot_mappings = _chain_view_metadata(cm, qsl, slots, first_positions), None
+            n = rows.numel()
+        inputs = device_trunk_inputs(batch.token_ids_cpu_tensor, batch.num_tokens_no_spec_cpu_tensor,
+                                     first_positions, qsl, input_ids, positions)
+        z = self._run_trunk(runner, x, inputs.y, positions, cm, slot_mappings, n)
+        z_last, first = z[inputs.last], inputs.first
         if self.tree is not None:
-            drafted = self._draft_tree(runner, z_last, first, b, k, positions.cpu()[last])
+            drafted = self._draft_tree(runner, z_last, first, b, k, inputs.last_positions)
             if drafted is not None:
                 return drafted, None
             k = self._chain_length(b, k)  # the batch is too large for a tree: a chain
         self.tree_drafts = {}
         drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
         if self.records is not None:
-            self._record(batch, positions.cpu()[last], drafts.cpu())
+            self._record(batch, inputs.last_positions, drafts.cpu())
         return drafts, probs
 
     def _chain_length(self, b: int, k: int) -> int:
@@ -517,11 +602,21 @@ def _check_tree_attention_backends(target_model: nn.Module) -> None:
                 "or chain drafting)")
 
 
-def _chain_view_metadata(cm: Any, query_start_loc: Tensor, slots: Tensor, b: int) -> Any:
+def _uses_flash_layout(target_model: nn.Module) -> bool:
+    """Do the target's attention layers keep FlashAttention's KV layout (FLASH_ATTN, or the
+    plugin's CUSTOM tree backend, whose impl is FlashAttention's)?"""
+    from vllm.model_executor.layers.attention import Attention
+
+    from vllm_clover.engine.attention_backend import FLASH_LAYOUT, kv_layout
+
+    return any(isinstance(m, Attention) and kv_layout(m.impl) == FLASH_LAYOUT for m in target_model.modules())
+
+
+def _chain_view_metadata(cm: Any, query_start_loc: Tensor, slots: Tensor, num_computed: Tensor) -> Any:
     """``cm`` restricted to the rows of a :func:`tree_verify.trunk_view` (query_start_loc
-    [B+1] of the view, slots [M]): each request's sequence ends at its last kept row."""
-    old = cm.query_start_loc_cpu[: b + 1].long()
-    num_computed = cm.seq_lens[:b].cpu().long() - (old[1:] - old[:-1])
+    [B+1] of the view, slots [M]; num_computed [B]: the requests' computed tokens before the
+    step, on the host): each request's sequence ends at its last kept row."""
+    num_computed = num_computed.long()
     counts = (query_start_loc[1:] - query_start_loc[:-1]).long()
     seq_lens = (num_computed + counts).to(torch.int32)
     dev = cm.seq_lens.device

@@ -89,6 +89,9 @@ class TreeStep:
     # Inputs of the C++ CPU kernel (kernels.tree_attention_cpu), built at the first layer:
     # meta [R, 4] int64 (first row, n1, root, batch row), anc [R, NMAX, NMAX] uint8.
     cpu_kernel_inputs: tuple[Tensor, Tensor] | None = None
+    # FlashAttention layout: the step's metadata in the engine's persistent device buffers
+    # (attention_backend.TreeMetadataBuffers), built by plan_tree_step.
+    device: Any = None
 
     def __post_init__(self) -> None:
         self.by_index = {r.index: r for r in self.requests}
@@ -136,7 +139,7 @@ def plan_tree_step(runner: Any, scheduler_output: Any) -> TreeStep | None:
         return None
     batch = runner.input_batch
     qsl = runner.query_start_loc.np
-    slot_mapping = batch.block_table[0].slot_mapping.gpu
+    block_table = batch.block_table[0]
     requests = []
     for req_id, drafts in spec.items():
         entry = table.get(req_id)
@@ -150,12 +153,32 @@ def plan_tree_step(runner: Any, scheduler_output: Any) -> TreeStep | None:
         start = int(qsl[i])
         root = int(batch.num_computed_tokens_cpu[i])
         buffers = tree_buffers(parent)
-        runner.positions[start:start + n + 1] = root + buffers.depth[0].to(runner.positions.device)
-        slots = slot_mapping[start:start + n + 1].to(torch.long).cpu().clone()
+        slots = host_slots(block_table.block_table.np[i], block_table.block_size, root, n + 1)
         requests.append(TreeRequest(index=i, start=start, root=root, buffers=buffers, slots=slots))
     if not requests:
         return None
-    return TreeStep(num_tokens=scheduler_output.total_num_scheduled_tokens, requests=requests)
+    # The tree rows' RoPE positions, root + depth, in one write (one host-to-device copy).
+    rows = torch.cat([torch.arange(r.start, r.start + r.buffers.width) for r in requests])
+    values = torch.cat([r.root + r.buffers.depth[0] for r in requests])
+    device = runner.positions.device
+    runner.positions[rows.to(device, non_blocking=True)] = values.to(device, non_blocking=True)
+    step = TreeStep(num_tokens=scheduler_output.total_num_scheduled_tokens, requests=requests)
+    metadata_buffers = getattr(runner.drafter, "tree_metadata_buffers", None)
+    if metadata_buffers is not None:
+        num_draft = [len(spec.get(req_id, ())) for req_id in batch.req_ids]
+        logits0 = np.concatenate([[0], np.cumsum(np.asarray(num_draft) + 1)])
+        draft0 = np.concatenate([[0], np.cumsum(num_draft)])
+        step.device = metadata_buffers.build(step, [int(logits0[r.index]) for r in requests],
+                                             [int(draft0[r.index]) for r in requests])
+    return step
+
+
+def host_slots(block_row: np.ndarray, block_size: int, root: int, n1: int) -> Tensor:
+    """KV slots [n1] long of positions ``root .. root + n1 - 1`` of one request, from the host
+    copy of its block-table row: ``block * block_size + offset``, what vLLM's slot-mapping
+    kernel computes on the device without context parallelism (refused by the front end)."""
+    pos = np.arange(root, root + n1)
+    return torch.from_numpy(block_row[pos // block_size].astype(np.int64) * block_size + pos % block_size)
 
 
 @functools.lru_cache(maxsize=256)
@@ -167,13 +190,14 @@ def tree_buffers(parent: tuple[int, ...]) -> TreeBuffers:
 
 # ============================================================================ attention
 def cache_views(impl: Any, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-    """(key, value) views [num_blocks, block_size, Hkv, D] of one layer's cache, for the
-    attention backends the tree hooks support: CPU_ATTN (:func:`cpu_cache_views`) and
-    FlashAttention (``kv_cache.transpose(1, 2).split(head_size, -1)``, as its forward does)."""
-    if kv_cache.device.type == "cpu":
-        return cpu_cache_views(kv_cache, impl.head_size)
-    key, value = kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
-    return key, value
+    """(key, value) views [num_blocks, block_size, Hkv, D] of one layer's cache, by the KV
+    layout of the attention impl (``attention_backend.kv_layout``): CPU_ATTN
+    (:func:`cpu_cache_views`) or FlashAttention (``attention_backend.flash_cache_views``)."""
+    from vllm_clover.engine.attention_backend import FLASH_LAYOUT, flash_cache_views, kv_layout
+
+    if kv_layout(impl) == FLASH_LAYOUT:
+        return flash_cache_views(kv_cache, impl.head_size)
+    return cpu_cache_views(kv_cache, impl.head_size)
 
 
 def cpu_cache_views(kv_cache: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
@@ -247,6 +271,18 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
     query [T, Hq, D]; output [T, Hq*D] or [T, Hq, D] (written in place); ``isa``: the CPU
     attention ISA of the layer (``layer.isa``), which fixes the CPU cache layout.
     """
+    from vllm_clover.engine.attention_backend import FLASH_LAYOUT, flash_tree_rows, kv_layout
+
+    if kv_layout(impl) == FLASH_LAYOUT:
+        # FlashAttention's layout (GPU, or CPU tensors in the tests): every tree row of the
+        # step in one varlen launch, from the step's device metadata (the CUSTOM backend's
+        # metadata carries the same object).
+        tree = getattr(attn_metadata, "clover_tree", None) or step.device
+        if tree is None:
+            raise RuntimeError("vllm-clover: a tree step in FlashAttention's layout has no device metadata")
+        flash_tree_rows(query, kv_cache, attn_metadata.block_table, output, tree, impl.num_heads,
+                        impl.head_size, impl.scale)
+        return
     d = impl.head_size
     out = output.view(output.shape[0], impl.num_heads, d)
     if query.device.type == "cpu" and cpu_kernel_enabled():
@@ -259,19 +295,10 @@ def tree_attention_rows(impl: Any, query: Tensor, kv_cache: Tensor, attn_metadat
         return
     if query.device.type == "cpu" and isa not in CPU_VIEW_ISAS:
         raise NotImplementedError(f"the PyTorch tree path cannot read the {isa!r} KV layout")
-    key_cache, value_cache = cache_views(impl, kv_cache)
+    key_cache, value_cache = cpu_cache_views(kv_cache, impl.head_size)
     for r in step.requests:
         n1 = r.buffers.width
         rows = slice(r.start, r.start + n1)
-        if query.device.type != "cpu":  # GPU: kernels.tree_attention (Triton by default)
-            from vllm_clover.kernels import tree_attention
-
-            o = tree_attention(query[rows].view(1, n1, impl.num_heads, d), key_cache, value_cache,
-                               attn_metadata.block_table[r.index:r.index + 1],
-                               torch.tensor([r.root], dtype=torch.int32, device=query.device),
-                               r.buffers.ancestor_mask.to(query.device), scale=impl.scale)
-            out[rows] = o[0].to(out.dtype)
-            continue
         hkv = key_cache.shape[2]
         group = impl.num_heads // hkv
         if r.kv_index is None:
@@ -389,6 +416,7 @@ class CloverRejectionSampler(torch.nn.Module):
         self._layers: list[tuple[Any, Tensor, str | None]] | None = None  # built once (bound at start-up)
         self._isa: str | None = None  # their CPU attention ISA (one for all), with _layers
         self._caches: list[Tensor] | None = None  # their K/V views, built once
+        self._table: Tensor | None = None  # base addresses of _caches (kernels.cache_table), built once
 
     def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor,
                 sampling_metadata: Any) -> Any:
@@ -406,7 +434,10 @@ class CloverRejectionSampler(torch.nn.Module):
         probs = None
         target_argmax: Tensor | None = None  # [rows] on CPU, one argmax for all greedy rows
         sampled_rows: dict[int, Tensor] = {}
-        for r in step.requests:
+        on_device = step.device is not None and all(_is_greedy(sampling_metadata, r.index) for r in step.requests)
+        if on_device:
+            self._accept_on_device(step, metadata, logits, num_draft)
+        for r in [] if on_device else step.requests:
             i = r.index
             n1 = r.buffers.width
             if num_draft[i] + 1 != n1:
@@ -428,7 +459,8 @@ class CloverRejectionSampler(torch.nn.Module):
                 sampled_rows[i] = result.output_tokens[0]
             a = int(result.num_accepted[0])
             r.path = result.accepted_nodes[0, : a + 1].tolist()
-        self.compact(step)
+        if not on_device:
+            self.compact(step)
         if _plain_greedy_tree_batch(step, sampling_metadata, len(num_draft)):
             return self._greedy_output(step, drafts, draft0, row0, logits, sampling_metadata)
         order, chain_num, chain_ids = [], [], []
@@ -473,6 +505,34 @@ class CloverRejectionSampler(torch.nn.Module):
             bonus.sampled_token_ids[:, 0].cpu().to(torch.int32))
         return SamplerOutput(sampled_token_ids=out.to(logits.device), logprobs_tensors=None)
 
+    def _accept_on_device(self, step: TreeStep, metadata: Any, logits: Tensor, num_draft: list[int]) -> None:
+        """Greedy tree requests with device metadata (FlashAttention layout): acceptance of all
+        of them and the KV compaction of every layer on the device
+        (``attention_backend.device_greedy_accept``, ``compaction_moves``, one
+        ``kernels.kv_compact_layers`` launch), then one read-back of the accepted paths, which
+        vLLM's output and the trunk view need on the host."""
+        from vllm_clover.engine.attention_backend import compaction_moves, device_greedy_accept
+
+        for r in step.requests:
+            if num_draft[r.index] + 1 != r.buffers.width:
+                raise RuntimeError(f"vllm-clover: tree request row {r.index} has {num_draft[r.index]} drafts "
+                                   f"scheduled but {r.buffers.width - 1} planned")
+        accepted, _ = device_greedy_accept(step.device, metadata.draft_token_ids, logits.argmax(dim=-1))
+        self._compact_on_device(*compaction_moves(step.device, accepted))
+        for r, row in zip(step.requests, accepted.cpu()):
+            r.path = row[row >= 0].tolist()
+
+    def _compact_on_device(self, src: Tensor, dst: Tensor) -> None:
+        """``kernels.kv_compact_layers`` over the K and V views of every target layer."""
+        from vllm_clover.kernels import cache_table, kv_compact_layers
+
+        if self._caches is None:
+            self._layers = self._kv_layers()
+            self._caches = [view for impl, kv_cache, _ in self._layers for view in cache_views(impl, kv_cache)]
+        if self._table is None:
+            self._table = cache_table(self._caches)
+        kv_compact_layers(self._caches, self._table, src, dst)
+
     def compact(self, step: TreeStep) -> None:
         """Move the target KV of each accepted node n_j (slot of root + n_j) to the slot of
         root + j, for every target layer (Clover's trunk writes its own KV contiguously)."""
@@ -491,7 +551,9 @@ class CloverRejectionSampler(torch.nn.Module):
                 raise RuntimeError(f"vllm-clover: target layers with different CPU KV layouts {sorted(map(str, isas))}")
             self._isa = isas.pop()
         layers = self._layers
-        if layers[0][1].device.type == "cpu" and cpu_kernel_enabled():
+        from vllm_clover.engine.attention_backend import CPU_LAYOUT, kv_layout
+
+        if kv_layout(layers[0][0]) == CPU_LAYOUT and layers[0][1].device.type == "cpu" and cpu_kernel_enabled():
             kv_compact_cpu([kv_cache for _, kv_cache, _ in layers], src, dst, self._isa)  # one C++ call
             return
         if self._caches is None:

@@ -42,6 +42,7 @@ CATALOGUE: list[Patch] = [
     # Tree verification: positions and sampler, then attention.
     runner.TREE_PREPARE_INPUTS,
     runner.TREE_ATTENTION,
+    runner.CUSTOM_BACKEND,
     runner.SAMPLE_TOKENS,
     # CPU speed: the target's float32 linears, then the drafter's own dispatch (per drafter).
     cpu.FP32_LINEAR,

@@ -262,6 +262,40 @@ TREE_ATTENTION = Patch(
 )
 
 
+# ------------------------------------------------------------------ tree backend (CUSTOM)
+def install_custom_backend() -> None:
+    from vllm_clover.engine.attention_backend import register_custom_backend
+
+    register_custom_backend()
+
+
+def check_custom_backend() -> None:
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    assert params(register_backend)[:2] == ["backend", "class_path"]
+    assert AttentionBackendEnum.CUSTOM.name == "CUSTOM"
+    # The backend is resolved by class path (our module's __getattr__ defines the class).
+    assert "resolve_obj_by_qualname(self.get_path())" in source(AttentionBackendEnum.get_class)
+    assert params(FlashAttentionMetadataBuilder.build) == ["self", "common_prefix_len", "common_attn_metadata",
+                                                           "fast_build"]
+    assert "return FlashAttentionMetadataBuilder" in source(FlashAttentionBackend.get_builder_cls)
+    assert "return FlashAttentionImpl" in source(FlashAttentionBackend.get_impl_cls)
+
+
+CUSTOM_BACKEND = Patch(
+    name="tree-attention-custom-backend",
+    target="vllm.v1.attention.backends.registry.AttentionBackendEnum.CUSTOM (register_backend, public API)",
+    why=("Registers CloverTreeAttentionBackend, FlashAttention's backend whose metadata builder attaches the "
+         "step's tree metadata (persistent device buffers) to FlashAttention's metadata; the front end "
+         "selects it for trees on a GPU when no backend is chosen (vllm_clover/engine/attention_backend.py)."),
+    upstream=TREE_UPSTREAM,
+    remove_when="vLLM verifies token trees itself",
+    apply=install_custom_backend,
+    check=check_custom_backend,
+)
+
+
 # ------------------------------------------------------------------ seeded partial prefills
 def install_sample_tokens() -> None:
     from vllm_clover.engine import runner_hooks

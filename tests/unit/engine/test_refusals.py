@@ -100,3 +100,30 @@ def test_supported_gpu_tree_settings_pass_the_refusals(clover_ckpt_dir, as_gpu) 
     for backend in (None, "FLASH_ATTN", "CUSTOM"):
         refuse_unsupported(EngineArgs(model="m", attention_backend=backend), tree, torch.bfloat16)
     refuse_unsupported(EngineArgs(model="m", attention_backend="TRITON_ATTN"), chain, torch.float32)
+
+
+def test_tree_on_a_gpu_selects_the_tree_backend(default_model_dir, clover_ckpt_dir, as_gpu) -> None:
+    """No backend chosen: the plugin's CUSTOM tree backend; an explicit FLASH_ATTN stays; on the
+    CPU build (and for chains) nothing is chosen."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_clover.engine.frontend import select_tree_backend
+    from vllm_clover.engine.options import CloverOptions
+
+    tree = CloverOptions.from_spec({"model": str(clover_ckpt_dir), "tree": "small_3"})
+    chain = CloverOptions.from_spec({"model": str(clover_ckpt_dir)})
+    args = EngineArgs(model="m")
+    select_tree_backend(args, tree)
+    assert args.attention_backend == "CUSTOM"
+    explicit = EngineArgs(model="m", attention_backend="FLASH_ATTN")
+    select_tree_backend(explicit, tree)
+    assert explicit.attention_backend == "FLASH_ATTN"
+    for options, on_cpu in ((chain, False), (tree, True)):
+        untouched = EngineArgs(model="m")
+        select_tree_backend(untouched, options, on_cpu=on_cpu)
+        assert untouched.attention_backend is None
+    # Through vLLM's own config: the CUSTOM member, resolved to the plugin's class.
+    config = _engine_config(default_model_dir, _tree(clover_ckpt_dir), dtype="bfloat16")
+    assert config.attention_config.backend.name == "CUSTOM"
+    backend = config.attention_config.backend.get_class()
+    assert backend.get_name() == "CUSTOM" and backend.__name__ == "CloverTreeAttentionBackend"

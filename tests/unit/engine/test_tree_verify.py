@@ -586,7 +586,9 @@ def test_chain_view_metadata() -> None:
         seq_lens=torch.tensor([20, 58], dtype=torch.int32), num_reqs=2, num_actual_tokens=12,
         max_query_len=8, max_seq_len=58, block_table_tensor=torch.zeros(2, 4, dtype=torch.int32),
         slot_mapping=torch.zeros(12, dtype=torch.long))
-    new = _chain_view_metadata(cm, torch.tensor([0, 4, 7], dtype=torch.int32), torch.arange(7), 2)
+    # num_computed: the runner's host copy, seq_lens - scheduled rows = [16, 50].
+    new = _chain_view_metadata(cm, torch.tensor([0, 4, 7], dtype=torch.int32), torch.arange(7),
+                               torch.tensor([16, 50], dtype=torch.int32))
     assert new.seq_lens.tolist() == [20, 53] and new.num_actual_tokens == 7
     assert new.max_query_len == 4 and new.max_seq_len == 53
     assert new.query_start_loc.tolist() == [0, 4, 7] and new.slot_mapping.tolist() == list(range(7))
