@@ -47,7 +47,7 @@ How it measures (conditions are written into the JSON):
 
 Output schema (``--output``)::
 
-    {"conditions": {"model", "dtype", "max_tokens", "temperature", "prompt_set", "num_prompts",
+    {"conditions": {"model", "dtype", "max_tokens", "temperature", "seed", "prompt_set", "num_prompts",
                     "repeats", "machine", "vllm", "torch_threads", "date"},
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
@@ -205,11 +205,11 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     extra = {"worker_extension_cls": "vllm_clover.engine.runner_hooks.CloverWorkerExtension"} if clover else {}
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=args.enforce_eager,
               kv_cache_memory_bytes=args.kv_cache_gib << 30, max_model_len=args.max_model_len,
-              max_num_seqs=max(batch_sizes), disable_log_stats=False, seed=0,
+              max_num_seqs=max(batch_sizes), disable_log_stats=False, seed=args.seed,
               speculative_config=speculative_config(spec, args.num_speculative_tokens), **extra)
     records, _ = load_prompts(args.prompts, args.num_prompts)
     prompts = render_prompts(records, llm.get_tokenizer())
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
     spec_config = llm.llm_engine.vllm_config.speculative_config
     k = None if spec_config is None else spec_config.num_speculative_tokens  # a tree's: its nodes
@@ -405,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the engine and of every request (sampling with --temperature > 0)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default=None, help="target model dir (default: the embedded model)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
@@ -468,7 +470,7 @@ def conditions_dict(args: argparse.Namespace) -> dict:
 
     return {"model": args.model or DEFAULT_MODEL_NAME,
             "model_name": Path(args.model).name if args.model else DEFAULT_MODEL_NAME,
-            "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed,
             "prompt_set": args.prompts, "num_prompts": args.num_prompts, "repeats": args.repeats,
             "enforce_eager": args.enforce_eager,
             "machine": f"{platform.machine()} {_cpu_model()}{_cpu_vector_isa()}", "cpus": os.cpu_count(),
