@@ -428,9 +428,12 @@ def eagle3_config_dict(model: Eagle3Drafter, target_config: Mapping[str, Any], t
 def save_eagle3(directory: str | os.PathLike, model: Eagle3Drafter, target_config: Mapping[str, Any],
                 target_name: str | None, vocab_source: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json`` + ``model.safetensors``: weights in ``dtype``, ``d2t`` int64 and
-    ``t2d`` bool (vLLM skips t2d; both as in EAGLE-3 and speculators checkpoints)."""
+    ``t2d`` bool (vLLM skips t2d; both as in EAGLE-3 and speculators checkpoints), neither
+    when the draft vocabulary is the whole vocabulary."""
     tensors = {name: (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous().clone()
                for name, t in model.state_dict().items()}
+    if len(model.d2t) == model.config.vocab_size:  # full vocabulary: vLLM has no d2t parameter then
+        del tensors["d2t"], tensors["t2d"]
     directory = Path(directory)
     _write_atomic(directory, eagle3_config_dict(model, target_config, target_name, vocab_source), tensors)
     return directory
@@ -446,8 +449,10 @@ def load_eagle3(directory: str | os.PathLike, dtype: torch.dtype = torch.float32
         raise TrainingError(f"{directory}: not an EAGLE-3 checkpoint ({config_dict.get('architectures')!r})")
     state = load_file(str(directory / WEIGHTS_NAME))
     config = shape_config("eagle", config_dict, config_dict["vllm_clover"]["num_speculative_tokens"], 1)
-    model = Eagle3Drafter(config, config_dict["eagle_aux_hidden_state_layer_ids"],
-                          state["d2t"] + torch.arange(len(state["d2t"])))
+    d2t = state.pop("d2t", torch.zeros(config.vocab_size, dtype=torch.long))
+    vocab = d2t + torch.arange(len(d2t))
+    state.update(d2t=d2t, t2d=torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, vocab, True))
+    model = Eagle3Drafter(config, config_dict["eagle_aux_hidden_state_layer_ids"], vocab)
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()})
     return model.eval()
 
