@@ -50,7 +50,8 @@ FLAGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str
          "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "6", "--max-num-seqs", "8"]
 TEXTS = ["The capital of France is", "def fibonacci(n):\n    ", "List the days of the week: Monday,",
          "Write a haiku about the sea.", "Q: What is 12 times 7?\nA:", "import numpy as np\n\n# mean of a list\n",
-         "Translate to French: I like apples.", "The three primary colours are", "Once upon a time, in a small village,",
+         "Translate to French: I like apples.", "The three primary colours are",
+         "Once upon a time, in a small village,",
          "The printing press was invented by", "SELECT name FROM users WHERE", "Photosynthesis is the process"]
 LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based ink and a wooden screw press. ") * 11
@@ -181,7 +182,8 @@ def test_client_disconnect_mid_tree_aborts_only_that_request(server: CloverServe
         t.join(timeout=300)
     assert seen == [4, 4, 4, 4]
     deadline = time.time() + 60
-    while server.gauge("vllm:num_requests_running") + server.gauge("vllm:num_requests_waiting") and time.time() < deadline:
+    while (server.gauge("vllm:num_requests_running") + server.gauge("vllm:num_requests_waiting")
+           and time.time() < deadline):
         time.sleep(1)
     assert server.gauge("vllm:num_requests_running") == server.gauge("vllm:num_requests_waiting") == 0
     _all_identical(server, prompts, reference, TEXTS[:2])

@@ -111,7 +111,8 @@ def hostile_requests(model: str) -> list[tuple[str, str, bytes, str]]:
         ("messages empty", ch, j({**chat, "messages": []}), "4xx"),
         ("messages not a list", ch, j({**chat, "messages": "hi"}), "4xx"),
         ("message without role", ch, j({**chat, "messages": [{"content": "hi"}]}), "4xx"),
-        ("unknown role", ch, j({**chat, "messages": [{"role": "wizard", "content": "hi"}]}), "ok"),  # the template renders any role
+        # The chat template renders any role: a valid request for vLLM.
+        ("unknown role", ch, j({**chat, "messages": [{"role": "wizard", "content": "hi"}]}), "ok"),
         ("chat max_tokens negative", ch, j({**chat, "max_tokens": -1}), "4xx"),
         ("chat response_format bogus", ch, j({**chat, "response_format": {"type": "bogus"}}), "4xx"),
         ("max_tokens huge", c, j({**base, "max_tokens": 10 ** 12}), "4xx"),
@@ -190,7 +191,8 @@ def test_load_and_abuse(server, prompts: dict, reference: dict) -> None:
         name, path, raw, expect = arg
         r = requests.post(url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=REQUEST_TIMEOUT)
         if expect == "4xx":
-            return f"hostile:{name}", "" if 400 <= r.status_code < 500 else f"expected a 4xx: {r.text[:200]}", r.status_code
+            problem = "" if 400 <= r.status_code < 500 else f"expected a 4xx: {r.text[:200]}"
+            return f"hostile:{name}", problem, r.status_code
         if r.status_code != 200:
             return f"hostile:{name}", f"expected 200: {r.text[:200]}", r.status_code
         usage = r.json()["usage"]
@@ -226,12 +228,14 @@ def test_load_and_abuse(server, prompts: dict, reference: dict) -> None:
     # Afterwards: healthy, nothing held, still identical, and per-request metrics per depth.
     assert requests.get(url + "/health", timeout=30).status_code == 200
     deadline = time.time() + 60
-    while _gauge(url, "vllm:num_requests_running") + _gauge(url, "vllm:num_requests_waiting") and time.time() < deadline:
+    while (_gauge(url, "vllm:num_requests_running") + _gauge(url, "vllm:num_requests_waiting")
+           and time.time() < deadline):
         time.sleep(1)
     assert _gauge(url, "vllm:num_requests_running") == _gauge(url, "vllm:num_requests_waiting") == 0
     for key in GREEDY[:3]:
         r = requests.post(url + "/v1/completions", timeout=REQUEST_TIMEOUT, json={
-            "model": model, "prompt": prompts[key], "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True})
+            "model": model, "prompt": prompts[key], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == reference[key]
     for m in spec_metrics:
         assert m is not None and m["num_spec_tokens"] == K
