@@ -12,10 +12,12 @@ first that holds wins:
                the float32 linear kernel on (``VLLM_CLOVER_CPU_LINEAR`` not ``0``)
   avx512       AVX-512 otherwise (the kernel off, or bf16 without AMX)
 
-Every CPU row also has the 4,096-token draft vocabulary, the shipped n-gram datastore
-(docs/datastore.md) and no drafts from 3 running requests on (docs/cpu-defaults.md).
-A tree's verify rows per step are 1 (the root) + its nodes + the lookup tokens (+ the leaf
-lookup tokens per leaf), at most ``tree_token_budget``.
+Every CPU row serves the adaptive tree (:data:`ADAPTIVE_OPTIONS`: each step's tree, lookup
+tokens and rows per request from the costs measured at start-up and the acceptance observed,
+engine/adaptive.py), with the 4,096-token draft vocabulary and the shipped n-gram datastore
+(docs/datastore.md). Each CPU row keeps, as ``fixed``, the fixed options measured best for
+that case before (a static tree, lookup tokens within ``tree_token_budget`` rows, no drafts
+from 3 running requests), for reproducing those results.
 
 ``vllm-clover serve --print-config`` prints the case this machine falls in and the
 ``vllm serve`` command it would run, without starting the server.
@@ -25,40 +27,53 @@ from __future__ import annotations
 
 from vllm_clover.cpu import env as cpu_env
 
+# The CPU default: the adaptive tree (engine/adaptive.py) over the heads' top-k candidates and up
+# to 16 lookup tokens; it prices every verified row from the costs it measures at start-up on
+# this CPU, in this dtype, so one row serves every instruction set. No disable_by_batch_size:
+# the tree backs off to chains and then to no drafts as the batch grows.
+ADAPTIVE_OPTIONS = {"tree": "adaptive", "prompt_lookup_tokens": 16, "draft_vocab_size": 4096,
+                    "datastore": "datastore.npz"}
+
 SERVE_DEFAULTS: dict[str, dict] = {
     "gpu": {
         "options": {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3},
-        "why": "chain K=2: tree verification has not run on a GPU, and needs --enforce-eager there",
+        "why": "chain K=2: tree verification (which the adaptive tree drafts for) has not run inside "
+               "vLLM's GPU build, needs --enforce-eager and a 16-bit dtype there; the default model is float32",
         "evidence": "not measured on a GPU",
     },
     "amx_bf16": {
-        "options": {"tree": "wide_9", "prompt_lookup_tokens": 16, "draft_vocab_size": 4096,
-                    "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 36,
-                    "leaf_lookup_tokens": 2},
-        "why": "bf16 linears cost the same for 1-16 rows and tree rows attend in AMX tiles: "
-               "wide_9 + 16 lookup + 2 per leaf, 36 rows at most (20 on average)",
-        "evidence": "docs/results/*-amx-bf16-tiles.md, docs/results/*-wide-tree-leaf-lookup.md",
+        "options": ADAPTIVE_OPTIONS,
+        "why": "adaptive: bf16 linears cost the same for 1-16 rows and tree rows attend in AMX tiles, "
+               "which the start-up calibration sees",
+        "evidence": "docs/results/*-adaptive.md",
+        "fixed": {"tree": "wide_9", "prompt_lookup_tokens": 16, "draft_vocab_size": 4096,
+                  "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 36,
+                  "leaf_lookup_tokens": 2},
+        "fixed_evidence": "docs/results/*-amx-bf16-tiles.md, docs/results/*-wide-tree-leaf-lookup.md",
     },
     "avx2": {
-        "options": {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
-                    "datastore": "datastore.npz", "disable_by_batch_size": 3},
-        "why": "head 0's draft + 5 lookup tokens, 7 rows at most: the 8th row costs more than "
-               "rows 2-7 together on AVX2 (docs/cpu-linear.md)",
-        "evidence": "docs/results/*-avx2-chain1-default.md",
+        "options": ADAPTIVE_OPTIONS,
+        "why": "adaptive: every verified row costs real compute on AVX2, which the calibration prices",
+        "evidence": "docs/results/*-adaptive.md",
+        "fixed": {"tree": "chain1", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
+                  "datastore": "datastore.npz", "disable_by_batch_size": 3},
+        "fixed_evidence": "docs/results/*-avx2-chain1-default.md",
     },
     "avx512_fp32": {
-        "options": {"tree": "small_5", "prompt_lookup_tokens": 8, "draft_vocab_size": 4096,
-                    "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 14},
-        "why": "14 rows fill one register tile of the float32 linear kernel (~0.8 ms a row): "
-               "small_5 + 8 lookup tokens",
-        "evidence": "docs/results/*-fp32-14-rows.md",
+        "options": ADAPTIVE_OPTIONS,
+        "why": "adaptive: ~0.8 ms a verified row with the float32 linear kernel, measured at start-up",
+        "evidence": "docs/results/*-adaptive.md",
+        "fixed": {"tree": "small_5", "prompt_lookup_tokens": 8, "draft_vocab_size": 4096,
+                  "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 14},
+        "fixed_evidence": "docs/results/*-fp32-14-rows.md",
     },
     "avx512": {
-        "options": {"tree": "small_4", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
-                    "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 10},
-        "why": "AVX-512 on oneDNN's linears (~1.3 ms a verified row) or bf16 without AMX: "
-               "small_4 + 5 lookup tokens, 10 rows at most",
-        "evidence": "docs/cpu-defaults.md",
+        "options": ADAPTIVE_OPTIONS,
+        "why": "adaptive: AVX-512 on oneDNN's linears (~1.3 ms a verified row) or bf16 without AMX",
+        "evidence": "docs/results/*-adaptive.md",
+        "fixed": {"tree": "small_4", "prompt_lookup_tokens": 5, "draft_vocab_size": 4096,
+                  "datastore": "datastore.npz", "disable_by_batch_size": 3, "tree_token_budget": 10},
+        "fixed_evidence": "docs/cpu-defaults.md",
     },
 }
 

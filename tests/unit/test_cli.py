@@ -10,7 +10,7 @@ from vllm_clover import cli
 
 from vllm_clover.cpu import env as cpu_env
 from vllm_clover.drafting.tree import get_tree
-from vllm_clover.serve_defaults import SERVE_DEFAULTS
+from vllm_clover.serve_defaults import ADAPTIVE_OPTIONS, SERVE_DEFAULTS
 
 from tests.conftest import REPO
 
@@ -48,43 +48,48 @@ def default_with_heads(monkeypatch, tmp_path):
     return heads
 
 
-@pytest.mark.parametrize("flags, linear_kernel, options", [
-    ({"avx2", "fma"}, "1", OPTIONS["avx2"]),
-    ({"avx2", "avx512f"}, "1", OPTIONS["avx512_fp32"]),
-    ({"avx2", "avx512f"}, "0", OPTIONS["avx512"]),
+@pytest.mark.parametrize("flags, linear_kernel, case", [
+    ({"avx2", "fma"}, "1", "avx2"),
+    ({"avx2", "avx512f"}, "1", "avx512_fp32"),
+    ({"avx2", "avx512f"}, "0", "avx512"),
 ])
 def test_serve_default_model_runs_clover_with_shipped_heads(default_with_heads, monkeypatch, flags,
-                                                            linear_kernel, options) -> None:
+                                                            linear_kernel, case) -> None:
+    """Every CPU serves the adaptive tree; each case keeps the fixed options measured for it."""
     monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
     monkeypatch.setenv("VLLM_CLOVER_CPU_LINEAR", linear_kernel)
+    assert cli.platform_case() == case
     argv = cli.serve_argv(None, "h", 1, [])
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "clover", "model": str(default_with_heads), **options}
+    assert spec == {"method": "clover", "model": str(default_with_heads), **ADAPTIVE_OPTIONS}
     assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
-    # AVX-512 with the float32 linear kernel: a 5-node tree and 8 lookup tokens, 1 root + 5 + 8
-    # = 14 rows, one register tile of the kernel; on oneDNN a 4-node tree and 5 (10 rows). AVX2:
-    # head 0's draft and 5 lookup tokens, 7 rows (the 8th costs ~6 ms there, docs/cpu-linear.md).
-    rows = 1 + len(get_tree(options["tree"]).paths) + options["prompt_lookup_tokens"]
+    # The fixed presets: AVX-512 with the float32 linear kernel a 5-node tree and 8 lookup tokens,
+    # 1 root + 5 + 8 = 14 rows, one register tile of the kernel; on oneDNN a 4-node tree and 5
+    # (10 rows). AVX2: head 0's draft and 5 lookup tokens, 7 rows (docs/cpu-linear.md).
+    fixed = SERVE_DEFAULTS[case]["fixed"]
+    rows = 1 + len(get_tree(fixed["tree"]).paths) + fixed["prompt_lookup_tokens"]
     expected = ("chain1", 7) if "avx512f" not in flags else ("small_5", 14) if linear_kernel == "1" else ("small_4", 10)
-    assert (options["tree"], rows) == expected
+    assert (fixed["tree"], rows) == expected
 
 
-@pytest.mark.parametrize("dtype_args, flags, options", [
-    (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, OPTIONS["amx_bf16"]),
-    (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, OPTIONS["amx_bf16"]),
-    (["--dtype", "float32"], {"avx512f", "amx_tile"}, OPTIONS["avx512_fp32"]),
-    (["--dtype", "bfloat16"], {"avx512f"}, OPTIONS["avx512"]),  # the float32 kernel does not apply
+@pytest.mark.parametrize("dtype_args, flags, case", [
+    (["--dtype", "bfloat16"], {"avx512f", "amx_tile"}, "amx_bf16"),
+    (["--dtype=bfloat16"], {"avx512f", "amx_tile"}, "amx_bf16"),
+    (["--dtype", "float32"], {"avx512f", "amx_tile"}, "avx512_fp32"),
+    (["--dtype", "bfloat16"], {"avx512f"}, "avx512"),  # the float32 kernel does not apply
 ])
 def test_serve_default_in_bfloat16_on_amx_verifies_more_lookup_tokens(default_with_heads, monkeypatch, dtype_args,
-                                                                      flags, options) -> None:
+                                                                      flags, case) -> None:
     monkeypatch.setattr(cpu_env, "cpu_flags", lambda: flags)
     monkeypatch.delenv("VLLM_CLOVER_CPU_LINEAR", raising=False)
+    assert cli.platform_case(cli._flag_value(dtype_args, "--dtype")) == case
     argv = cli.serve_argv(None, "h", 1, dtype_args)
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "clover", "model": str(default_with_heads), **options}
-    if options is OPTIONS["amx_bf16"]:  # 1 root + 9 nodes + 16 lookup + 2 x 5 leaves
-        assert (spec["tree"], spec["prompt_lookup_tokens"], spec["leaf_lookup_tokens"], spec["tree_token_budget"]) \
-            == ("wide_9", 16, 2, 36)
+    assert spec == {"method": "clover", "model": str(default_with_heads), **ADAPTIVE_OPTIONS}
+    if case == "amx_bf16":  # the fixed preset: 1 root + 9 nodes + 16 lookup + 2 x 5 leaves
+        fixed = SERVE_DEFAULTS[case]["fixed"]
+        assert (fixed["tree"], fixed["prompt_lookup_tokens"], fixed["leaf_lookup_tokens"],
+                fixed["tree_token_budget"]) == ("wide_9", 16, 2, 36)
 
 
 def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> None:
@@ -97,10 +102,16 @@ def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> 
 
 def test_every_serve_default_names_its_reason_and_evidence() -> None:
     for case, row in SERVE_DEFAULTS.items():
-        assert set(row) == {"options", "why", "evidence"} and row["why"] and row["evidence"], case
-        assert row["options"]["draft_vocab_size"] == 4096 and row["options"]["disable_by_batch_size"] == 3
+        assert set(row) - {"fixed", "fixed_evidence"} == {"options", "why", "evidence"}, case
+        assert row["why"] and row["evidence"], case
+        assert row["options"]["draft_vocab_size"] == 4096
+        # The adaptive tree backs off by itself; the fixed presets stop drafting from 3 requests.
+        assert (row["options"].get("tree") == "adaptive") == ("disable_by_batch_size" not in row["options"])
+        if "fixed" in row:
+            assert row["fixed"]["disable_by_batch_size"] == 3 and row["fixed_evidence"], case
         # Evidence paths are written without the results file's date: each names exactly one file.
-        for ref in (r.strip() for r in row["evidence"].split(",") if r.strip().startswith("docs/")):
+        refs = row["evidence"].split(",") + row.get("fixed_evidence", "").split(",")
+        for ref in (r.strip() for r in refs if r.strip().startswith("docs/")):
             assert len(list(REPO.glob(ref))) == 1, (case, ref)
 
 

@@ -9,6 +9,13 @@ the same run.
     vllm-clover bench --methods vanilla,ngram,clover:vllm_clover/heads/smollm2-135m-instruct-clover2 \
         --batch-sizes 1,8,32 --prompts mtbench --max-tokens 256 --output result.json --plot plots/
 
+Bare ``clover`` is the served default: the shipped heads with exactly the options
+``vllm-clover serve`` uses on this machine for ``--dtype`` (its row of
+vllm_clover/serve_defaults.py, printed by ``vllm-clover serve --print-config``; the adaptive
+tree on CPUs), no checkpoint path or options needed; ``clover?KEY=VALUE&...`` changes some of
+them (e.g. ``clover?tree=small_5&tree_token_budget=14``). ``clover:PATH`` runs a checkpoint of
+your own with only the options given.
+
 Method syntax: ``NAME[:PATH][@K][?KEY=VALUE&...][!VAR=VALUE;...]`` (``@K`` overrides
 ``--num-speculative-tokens`` for that method; ``?...`` adds integer or string entries to its
 ``speculative_config``, e.g. Clover's ``draft_vocab_size``; ``!...`` sets environment
@@ -124,7 +131,7 @@ def parse_method(text: str) -> MethodSpec:
     name, _, path = body.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {text!r}; choose from {', '.join(METHODS)}")
-    if name in ("medusa", "eagle", "eagle3", "clover") and not path:
+    if name in ("medusa", "eagle", "eagle3") and not path:  # bare clover: the served default
         raise ValueError(f"method {name!r} needs a checkpoint path: {name}:PATH")
     if name in ("vanilla", "ngram") and path:
         raise ValueError(f"method {name!r} takes no checkpoint path (got {path!r})")
@@ -133,6 +140,20 @@ def parse_method(text: str) -> MethodSpec:
     if options and name in ("vanilla",):
         raise ValueError(f"method {name!r} takes no options (got {query!r})")
     return MethodSpec(text, name, path or None, int(k) if k else None, tuple(options), env)
+
+
+def resolve_method(spec: MethodSpec, dtype: str | None) -> MethodSpec:
+    """A ``clover`` method without a path: the shipped heads with exactly the options
+    ``vllm-clover serve`` gives them on this machine for ``dtype`` (its row of
+    vllm_clover/serve_defaults.py), the method's own ``?KEY=VALUE`` entries on top. Every
+    other method as given."""
+    if spec.name != "clover" or spec.path:
+        return spec
+    from vllm_clover.serve_defaults import shipped_serve_options
+    from vllm_clover.training.train import shipped_heads_dir
+
+    options = {**shipped_serve_options(dtype), **dict(spec.options)}
+    return MethodSpec(spec.label, spec.name, str(shipped_heads_dir()), spec.k, tuple(options.items()), spec.env)
 
 
 def speculative_config(spec: MethodSpec, default_k: int) -> dict | None:
@@ -423,13 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.worker:
-        rows = run_method(args, parse_method(args.worker))
+        rows = run_method(args, resolve_method(parse_method(args.worker), args.dtype))
         print("BENCH_ROWS " + json.dumps(rows), flush=True)
         return
     try:
         methods = [parse_method(m) for m in args.methods.split(",") if m]
+        resolved = [resolve_method(m, args.dtype) for m in methods]
         load_prompts(args.prompts, args.num_prompts)  # fail fast, before any engine starts
-        for spec in methods:
+        for spec in resolved:
             if spec.path and not Path(spec.path).is_dir():
                 raise FileNotFoundError(f"{spec.label}: checkpoint directory {spec.path} does not exist")
     except (ValueError, FileNotFoundError) as exc:
@@ -451,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[repeat {rep}] {spec.label}: " + ", ".join(
                 f"b{r['batch_size']} {r['tokens_per_s']:.1f} tok/s (acc len {r['mean_acceptance_length']:.2f})"
                 for r in rows) + f"  [{time.time() - t0:.0f}s]", flush=True)
-    results = aggregate(runs, methods, args.num_speculative_tokens)
+    results = aggregate(runs, resolved, args.num_speculative_tokens)
     print_table(results)
     conditions = conditions_dict(args)
     if args.output:

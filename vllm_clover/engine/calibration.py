@@ -6,7 +6,8 @@ machine, vLLM version), right after vLLM's own warm-up (patch ``worker-calibrate
 which calls :func:`calibrate` from the worker's ``compile_or_warm_up_model``), and cached as JSON
 under ``$VLLM_CLOVER_CACHE/calibration/`` so that a restart reuses them.
 
-What is measured, each point the median of a few timed runs after one untimed:
+What is measured, each point the fastest of two timed runs after one untimed, the curves
+made non-decreasing (:func:`monotone`), in at most about :data:`BUDGET_S` seconds:
 
 * ``target_ms[T]``: vLLM's own dummy forward of the target over T tokens
   (``GPUModelRunner._dummy_run``: the same compiled / eager path and linear kernels as a real
@@ -30,7 +31,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 TOKEN_GRID = (1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128)
 # Rows the drafter's head step and trunk are measured at.
 ROW_GRID = (1, 2, 4, 8, 16, 32, 64, 128)
+# Seconds the target's curve may take: past it the larger token counts are left out (the curve
+# goes on with its last slope). The points up to MIN_TOKENS are always measured.
+BUDGET_S = 6.0
+MIN_TOKENS = 16
+# Set to 1 to measure again although a cached curve matches (e.g. after it was measured on a
+# machine busy with other work).
+RECALIBRATE_ENV = "VLLM_CLOVER_RECALIBRATE"
 # Bump when what is measured changes, so that cached curves are measured again.
 CURVE_VERSION = 1
 
@@ -175,7 +182,8 @@ def store(curve: CostCurve) -> Path | None:
 
 # ============================================================================ measuring
 def time_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one untimed run, in ms."""
+    """Fastest wall time of ``fn`` over ``repeats`` runs after one untimed run, in ms (other
+    work on the machine only ever adds time)."""
     fn()
     sync()
     times = []
@@ -184,7 +192,16 @@ def time_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> fl
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return min(times)
+
+
+def monotone(values: Sequence[float]) -> list[float]:
+    """A step never costs less for more rows: each point capped by every later one (noise
+    spikes of a busy machine removed)."""
+    out = list(values)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return out
 
 
 def measure(runner: Any, drafter: Any, key: dict[str, Any]) -> CostCurve:
@@ -204,7 +221,12 @@ def measure(runner: Any, drafter: Any, key: dict[str, Any]) -> CostCurve:
         hidden, _ = runner._dummy_run(t)
         model.compute_logits(hidden[:t])
 
-    target_ms = [time_ms(lambda: target(t), 3 if t <= 32 else 2, sync) for t in tokens]
+    target_ms = []
+    for t in tokens:
+        if t > MIN_TOKENS and time.perf_counter() - t_start > BUDGET_S:
+            break
+        target_ms.append(time_ms(lambda: target(t), 2, sync))
+    tokens = tokens[: len(target_ms)]
     hidden_size = drafter.hidden_size
     rows = [m for m in ROW_GRID if m <= max(max_tokens, 1)]
     head_ms, trunk_ms = [], []
@@ -223,17 +245,17 @@ def measure(runner: Any, drafter: Any, key: dict[str, Any]) -> CostCurve:
                 with set_forward_context(None, cfg, num_tokens=m):
                     drafter.model.trunk(state, token, positions)
 
-            head_ms.append(time_ms(head, 3, sync))
-            trunk_ms.append(time_ms(trunk, 3, sync))
-    return CostCurve(tokens=tokens, target_ms=target_ms, rows=rows, head_ms=head_ms, trunk_ms=trunk_ms,
-                     key=key, measure_s=time.perf_counter() - t_start)
+            head_ms.append(time_ms(head, 2, sync))
+            trunk_ms.append(time_ms(trunk, 2, sync))
+    return CostCurve(tokens=tokens, target_ms=monotone(target_ms), rows=rows, head_ms=monotone(head_ms),
+                     trunk_ms=monotone(trunk_ms), key=key, measure_s=time.perf_counter() - t_start)
 
 
 def calibrate(runner: Any, drafter: Any) -> CostCurve:
     """The cost curve of this engine: from the cache when one matches, else measured now and
     cached. Logs what it measured and how long that took."""
     key = curve_key(drafter.vllm_config, drafter.options.checkpoint, drafter.options.draft_vocab_size)
-    curve = load_cached(key)
+    curve = None if os.environ.get(RECALIBRATE_ENV) == "1" else load_cached(key)
     if curve is not None:
         logger.info("vllm-clover: adaptive tree costs from %s (measured in %.1f s when cached): %s",
                     cache_path(key), curve.measure_s, curve.summary())

@@ -23,8 +23,8 @@ import argparse
 import sys
 from typing import Any
 
-from vllm_clover.engine.options import (DYNAMIC, PREFIX, TREE_TOKEN_BUDGET, CloverOptions, CloverSpecError,
-                                        checkpoint_path)
+from vllm_clover.engine.options import (ADAPTIVE, DYNAMIC, PREFIX, TREE_TOKEN_BUDGET, CloverOptions,
+                                        CloverSpecError, checkpoint_path)
 from vllm_clover.model.config import ARCHITECTURE
 
 METHOD = "clover"
@@ -191,14 +191,16 @@ def speculative_tokens(options: CloverOptions, k: Any) -> int:
     tree = options.drafting_tree()
     # grafted nodes on top of the tree's own
     extra = options.prompt_lookup_tokens + options.leaf_lookup_tokens * (
-        0 if tree is None or tree == DYNAMIC else tree.retrieve_paths.shape[0])
+        0 if tree is None or tree in (DYNAMIC, ADAPTIVE) else tree.retrieve_paths.shape[0])
     plus = (" + prompt_lookup_tokens" if options.prompt_lookup_tokens else "") + (
         " + leaf_lookup_tokens x leaves" if options.leaf_lookup_tokens else "")
-    if tree == DYNAMIC:
-        # Clover-1's dynamic tree: up to dynamic_tree_nodes nodes per request, one head per depth.
-        nodes = options.dynamic_tree_nodes
+    if tree in (DYNAMIC, ADAPTIVE):
+        # Clover-1's dynamic tree: up to dynamic_tree_nodes nodes per request, one head per depth;
+        # the adaptive tree: up to adaptive_max_nodes (engine/adaptive.py).
+        nodes = options.dynamic_tree_nodes if tree == DYNAMIC else options.adaptive_max_nodes
         if k is not None and k != nodes + extra:
-            raise CloverSpecError(f"with tree 'dynamic', num_speculative_tokens is dynamic_tree_nodes"
+            field = "dynamic_tree_nodes" if tree == DYNAMIC else "adaptive_max_nodes"
+            raise CloverSpecError(f"with tree {tree!r}, num_speculative_tokens is {field}"
                                   f"{plus} ({nodes + extra}); leave it out (got {k!r})")
         k = nodes + extra
     elif tree is not None:
@@ -207,7 +209,7 @@ def speculative_tokens(options: CloverOptions, k: Any) -> int:
                 f"with tree {tree.name!r}, num_speculative_tokens is its node count{plus} "
                 f"({tree.num_nodes + extra}); leave it out (got {k!r})")
         k = tree.num_nodes + extra
-    if tree is not None:
+    if tree is not None and tree != ADAPTIVE:  # the adaptive tree prices its rows itself
         warn_tree_over_budget(tree, options.dynamic_tree_nodes, options.tree_token_budget, extra)
     if k is None:
         k = heads

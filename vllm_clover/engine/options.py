@@ -30,6 +30,8 @@ from typing import Any
 
 PREFIX = "clover:"
 DYNAMIC = "dynamic"
+# The tree chosen per step from measured costs and observed acceptance (engine/adaptive.py).
+ADAPTIVE = "adaptive"
 # Default tree_token_budget (verify tokens per step a tree may take, B * (N + 1)) by device.
 # CPU: at batch 1 up to ~7 verify tokens cost what 3 cost (the step streams the weights), and
 # from batch 4 even a chain of 2 runs below vanilla (docs/tree-verification.md): 8 keeps
@@ -68,7 +70,7 @@ def _option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any 
     return field(default=default, default_factory=factory, metadata=meta)
 
 
-# A static tree's top-k paths in BFS order (tree.StaticTree.paths), "dynamic", or None (chain).
+# A static tree's top-k paths in BFS order (tree.StaticTree.paths), "dynamic", "adaptive", or None (chain).
 TreePaths = tuple[tuple[int, ...], ...]
 
 
@@ -92,17 +94,24 @@ class CloverOptions:
     disable_by_batch_size: int | None = _option(
         None, "no drafts once this many requests run; becomes vLLM's dynamic speculative-decoding "
         "schedule (num_speculative_tokens_per_batch_size)", shown="unset (always draft)", type_shown="int")
-    # Held resolved: a static tree's paths (a preset or "chain<K>" expanded), "dynamic" or None.
+    # Held resolved: a static tree's paths (a preset or "chain<K>" expanded), "dynamic",
+    # "adaptive" or None.
     tree: str | TreePaths | None = _option(
         None, 'batched tree verification in one target pass: a preset (`"small_3"`, `"small_4"`, '
         '`"small_5"`, `"wide_9"`, `"small_10"`, `"mc_sim_7b_63"`), `"chain<K>"`, a list of top-k paths '
-        'such as `[[0], [1], [0, 0]]`, or `"dynamic"` (Clover-1\'s per-request tree) '
+        'such as `[[0], [1], [0, 0]]`, `"dynamic"` (Clover-1\'s per-request tree), or `"adaptive"`: each '
+        "step's tree, lookup tokens and rows per request, or no speculation, chosen from the costs measured "
+        "at start-up and the acceptance observed (docs/adaptive.md; the `vllm-clover serve` default) "
         "(docs/tree-verification.md)", shown="unset (chain)", type_shown="str | list[list[int]]")
     tree_token_budget: int = _option(
         help="verify tokens a step may spend on trees, B * (N + 1); trees shrink to chains as the "
         "batch grows", factory=default_tree_token_budget,
         shown=f"{TREE_TOKEN_BUDGET['cpu']} on CPU, {TREE_TOKEN_BUDGET['gpu']} on GPU")
     dynamic_tree_nodes: int = _option(25, 'node count of the `"dynamic"` tree (Clover-1\'s per-request tree)')
+    adaptive_max_nodes: int = _option(
+        16, 'heads\' nodes the `"adaptive"` tree may take per request (among the heads\' top-4/3/2 '
+        "candidates per depth); its lookup tokens are at most `prompt_lookup_tokens`, and `tree_token_budget` "
+        "does not apply to it")
     prompt_lookup_tokens: int = _option(
         0, "with a tree: up to this many tokens of vLLM's n-gram continuation of the request, "
         "grafted into the tree and verified in the same pass", shown="`0` (off)")
@@ -157,6 +166,8 @@ class CloverOptions:
             spec.pop("tree_token_budget", default_tree_token_budget()), "tree_token_budget")
         values["dynamic_tree_nodes"] = positive_int(
             spec.pop("dynamic_tree_nodes", cls.dynamic_tree_nodes), "dynamic_tree_nodes")
+        values["adaptive_max_nodes"] = positive_int(
+            spec.pop("adaptive_max_nodes", cls.adaptive_max_nodes), "adaptive_max_nodes")
         values.update(prompt_lookup_options(spec, values["tree"]))
         values["datastore"] = datastore_option(spec.pop("datastore", ""), path, config.vocab_size,
                                                values["prompt_lookup_tokens"])
@@ -188,11 +199,11 @@ class CloverOptions:
 
     # ------------------------------------------------------------------ readers
     def drafting_tree(self) -> Any:
-        """The configured tree: a ``tree.StaticTree``, ``DYNAMIC``, or None (chain drafting)."""
+        """The configured tree: a ``tree.StaticTree``, ``DYNAMIC``, ``ADAPTIVE``, or None (chain drafting)."""
         if self.tree is None:
             return None
-        if self.tree == DYNAMIC:
-            return DYNAMIC
+        if self.tree in (DYNAMIC, ADAPTIVE):
+            return self.tree
         from vllm_clover.drafting.tree import StaticTree
 
         return StaticTree(self.tree, self.tree_name or "custom")
@@ -237,15 +248,16 @@ def tree_option(value: Any, num_heads: int) -> Any:
     """The ``tree`` option -> a ``tree.StaticTree``, or None for chain drafting.
 
     Accepted: None / "chain" (off), a preset name (``tree.PRESETS``), "chain<K>", a list of
-    top-k paths (Medusa / EAGLE style, e.g. ``[[0], [1], [0, 0]]``), or "dynamic" (returned
-    as is: Clover-1's per-request tree, ``tree.build_dynamic_tree``). A static tree's depth
+    top-k paths (Medusa / EAGLE style, e.g. ``[[0], [1], [0, 0]]``), "dynamic" (returned
+    as is: Clover-1's per-request tree, ``tree.build_dynamic_tree``) or "adaptive" (returned as
+    is: chosen per step, engine/adaptive.py). A static tree's depth
     must not exceed the checkpoint's heads (head d drafts depth d+1)."""
     from vllm_clover.drafting.tree import PRESETS, StaticTree, get_tree
 
     if value is None or value == "chain":
         return None
-    if value == DYNAMIC:
-        return DYNAMIC
+    if value in (DYNAMIC, ADAPTIVE):
+        return value
     try:
         if isinstance(value, str):
             tree = get_tree(value)
@@ -255,7 +267,8 @@ def tree_option(value: Any, num_heads: int) -> Any:
             raise ValueError(f"expected a preset name, 'chain<K>' or a list of paths, got {value!r}")
     except (KeyError, ValueError, TypeError) as exc:
         raise CloverSpecError(f"clover option tree: {str(exc).strip(chr(39))} "
-                              f"(presets: {sorted(PRESETS)}, 'chain<K>', 'dynamic', or a list of top-k paths)") from None
+                              f"(presets: {sorted(PRESETS)}, 'chain<K>', 'dynamic', 'adaptive', or a list of "
+                              "top-k paths)") from None
     if tree.max_depth > num_heads:
         raise CloverSpecError(f"clover option tree {tree.name!r} is {tree.max_depth} deep but the "
                               f"checkpoint has {num_heads} heads (one per depth)")
@@ -266,8 +279,8 @@ def _tree_fields(tree: Any, num_heads: int) -> dict[str, Any]:
     """The tree fields of :class:`CloverOptions` for a :func:`tree_option` result."""
     if tree is None:
         return {"tree": None}
-    if tree == DYNAMIC:
-        return {"tree": DYNAMIC, "tree_name": DYNAMIC, "tree_depth": num_heads}
+    if tree in (DYNAMIC, ADAPTIVE):
+        return {"tree": tree, "tree_name": tree, "tree_depth": num_heads}
     return {"tree": tree.paths, "tree_name": tree.name, "tree_depth": tree.max_depth}
 
 
@@ -296,9 +309,9 @@ def prompt_lookup_options(spec: dict[str, Any], tree: Any) -> dict[str, int]:
     if leaf and not out["prompt_lookup_tokens"]:
         raise CloverSpecError("leaf_lookup_tokens extends the prompt lookup under the tree's leaves: "
                               "set prompt_lookup_tokens too (e.g. 16)")
-    if leaf and tree == DYNAMIC:
+    if leaf and tree in (DYNAMIC, ADAPTIVE):
         raise CloverSpecError("leaf_lookup_tokens needs a static tree (a preset or a list of paths), "
-                              "not 'dynamic'")
+                              f"not {tree!r}")
     out["leaf_lookup_tokens"] = leaf
     return out
 

@@ -36,8 +36,8 @@ from vllm_clover.cpu.linear import (draft_matmul_dtype, drafter_product, onednn_
                                     repack_vllm_linears)
 from vllm_clover.drafting.datastore import NgramDatastore, load_datastore
 from vllm_clover.model.draft_vocab import load_draft_vocab
-from vllm_clover.engine.options import DYNAMIC, CloverOptions
-from vllm_clover.drafting.lookup import graft_retrieval, retrieval_chain
+from vllm_clover.engine.options import ADAPTIVE, DYNAMIC, CloverOptions
+from vllm_clover.drafting.lookup import graft_retrieval, lookup_continuation, retrieval_chain
 from vllm_clover.drafting.tree import StaticTree, build_dynamic_tree, dynamic_budget, expand_static_tree
 from vllm_clover.engine.tree_verify import (GREEDY_TEMPERATURE, TreeStep, TreeStepContext, chain_only_reason,
                                             select_tree, spine, trunk_view)
@@ -46,6 +46,8 @@ from vllm_clover.engine.vllm_model import CloverForSpeculativeDecoding
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+# The adaptive tree's shape when it drafts lookup tokens only: the root, no heads' node.
+_ROOT_ONLY = StaticTree((), name="lookup-only")
 
 
 def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
@@ -54,7 +56,6 @@ def trunk_inputs(token_ids: Tensor, num_tokens: Tensor, positions: Tensor,
     definition, read straight from the committed tokens; the proposer runs
     :func:`device_trunk_inputs`, which gives the same values without reading positions back
     from the device.
-
 
     token_ids [R, L]: the persistent batch's committed tokens (row i = request i);
     num_tokens [B]: committed tokens per request (prompt + outputs, drafts excluded);
@@ -195,6 +196,8 @@ class CloverProposer(MedusaProposer):
         self.tree_metadata_buffers: Any = None
         # Retrieval drafts where the prompt lookup finds nothing (datastore.py), or None.
         self.datastore: NgramDatastore | None = None
+        # tree "adaptive" (engine/adaptive.py): the per-step chooser, built by calibrate().
+        self.adaptive: Any = None
 
     # ------------------------------------------------------------------ loading
     def load_model(self, target_model: nn.Module) -> None:
@@ -298,14 +301,19 @@ class CloverProposer(MedusaProposer):
         the distributions None. ``tree_step``: this step's verified trees (their accepted
         paths are the trunk's rows)."""
         t0 = time.perf_counter()
+        if self.adaptive is not None:
+            self.adaptive.begin(t0, runner.input_batch.req_ids, scheduler_output, sampled_token_ids)
         try:
             return self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
                                  common_attn_metadata, slot_mappings, tree_step)
         finally:
             if self._sync:
                 torch.cuda.synchronize()
-            self.timing["draft_s"] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.timing["draft_s"] += spent
             self.timing["calls"] += 1
+            if self.adaptive is not None:
+                self.adaptive.end(t0, spent)
 
     def _propose(self, runner: Any, scheduler_output: Any, sampling_metadata: Any,
                  aux_hidden_states: list[Tensor] | None, common_attn_metadata: Any,
@@ -322,6 +330,10 @@ class CloverProposer(MedusaProposer):
             # schedule): skip the trunk too, so a large batch pays nothing for Clover. These
             # positions get no trunk KV; drafts made later over them attend to zeros or stale
             # entries there: lower acceptance for those requests, never a wrong output.
+            self.tree_drafts = {}
+            return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
+        if self.tree == ADAPTIVE and not self._adaptive_plan(runner).on:
+            # The adaptive tree found no shape that beats plain decoding at this batch: as above.
             self.tree_drafts = {}
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         positions = runner.positions[:n]
@@ -349,12 +361,19 @@ class CloverProposer(MedusaProposer):
             k = self._chain_length(b, k)  # the batch is too large for a tree: a chain
         self.tree_drafts = {}
         drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
+        if self.adaptive is not None:
+            chain, rows = self.adaptive.shape.tree, drafts.tolist()
+            for i, req_id in enumerate(batch.req_ids):
+                self.adaptive.remember(req_id, i, rows[i], chain, rows[i], 0)
         if self.records is not None:
             self._record(batch, inputs.last_positions, drafts.cpu())
         return drafts, probs
 
     def _chain_length(self, b: int, k: int) -> int:
-        """Chain length when the batch's token budget has no room for a tree."""
+        """Chain length when the batch's token budget has no room for a tree (adaptive: the
+        step's tree is a chain without lookup tokens)."""
+        if self.tree == ADAPTIVE:
+            return max(1, min(k, self.adaptive.shape.tree.max_depth))
         depth = self.model.config.num_heads if self.tree == DYNAMIC else self.tree.max_depth
         return max(1, min(depth, k, self.options.tree_token_budget // b - 1))
 
@@ -384,6 +403,12 @@ class CloverProposer(MedusaProposer):
         step only has room for a chain and no lookup token (vLLM verifies that chain)."""
         token_budget = self.options.tree_token_budget
         lookup = self.options.prompt_lookup_tokens
+        if self.tree == ADAPTIVE:
+            shape = self.adaptive.shape
+            tree = shape.tree if shape.tree is not None else _ROOT_ONLY
+            if tree.num_nodes == tree.max_depth and not shape.lookup:
+                return None  # a chain: vLLM verifies it as one
+            return tree, min(shape.lookup, max(0, k - tree.num_nodes)), 0
         if self.tree == DYNAMIC:
             tree = budget = dynamic_budget(b, token_budget, max(1, min(k - lookup, self.options.dynamic_tree_nodes)))
             is_chain = budget <= 1
@@ -440,9 +465,12 @@ class CloverProposer(MedusaProposer):
                 if lookup or self.records is not None:
                     # The committed tokens, the root (just sampled) last; a numpy view.
                     committed = batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
+                heads_tokens = tokens
                 if lookup:
-                    tokens, parent = graft_retrieval(tokens, parent, committed, self._retrieve, lookup, leaf)
+                    tokens, parent = graft_retrieval(tokens, parent, committed, self._step_retrieval(i), lookup, leaf)
                 table[req_id] = (tokens, parent)
+                if self.adaptive is not None:
+                    self.adaptive.remember(req_id, i, tokens, self.adaptive.shape.tree, heads_tokens, lookup)
                 if self.records is not None:
                     self.tree_records.append((req_id, committed.tolist(), tokens, parent))
                 out.append(tokens)
@@ -455,6 +483,53 @@ class CloverProposer(MedusaProposer):
             depth = min(len(t) for t in spines)
             self._record(batch, last_positions, torch.tensor([t[:depth] for t in spines]))
         return out
+
+    def _step_retrieval(self, i: int) -> Any:
+        """The retrieval function for batch row ``i``: :meth:`_retrieve`, or with the adaptive
+        tree the chain it looked up before choosing the step's shape."""
+        if self.adaptive is None:
+            return self._retrieve
+        return lambda committed, k: np.asarray(self.adaptive.chain(i, k), dtype=np.int64)
+
+    def _adaptive_plan(self, runner: Any) -> Any:
+        """This step's :class:`adaptive.Shape`, from every request's retrieval chain (looked up
+        here, before the choice) and the batch size."""
+        if self.adaptive is None:
+            raise RuntimeError("vllm-clover: the adaptive tree has no cost curve (patch "
+                               "worker-calibrate-after-warm-up did not run)")
+        batch = runner.input_batch
+        ids = list(batch.req_ids)
+
+        def committed(i: int) -> np.ndarray:
+            return batch.token_ids_cpu_tensor[i, : int(batch.num_tokens_no_spec_cpu_tensor[i])].numpy()
+
+        ok = [chain_only_reason(getattr(runner.requests.get(r), "sampling_params", None)) is None for r in ids]
+        return self.adaptive.plan(ids, committed, ok, self._retrieve_with_source)
+
+    def _retrieve_with_source(self, committed: np.ndarray, k: int) -> tuple[np.ndarray, str]:
+        """:meth:`_retrieve` and where its tokens came from ("prompt" or "datastore")."""
+        o = self.options
+        chain = lookup_continuation(committed, o.prompt_lookup_min, o.prompt_lookup_max, k)
+        if chain.size or self.datastore is None:
+            return chain, "prompt"
+        return self.datastore.continuation(committed, k, o.datastore_min_confidence), "datastore"
+
+    @torch.inference_mode()
+    def calibrate(self, runner: Any) -> None:
+        """With the adaptive tree: the cost curve of this engine (measured now, or cached) and
+        the chooser built on it (engine/calibration.py, engine/adaptive.py). Called after vLLM's
+        warm-up (patch ``worker-calibrate-after-warm-up``)."""
+        if self.tree != ADAPTIVE or self.adaptive is not None:
+            return
+        from vllm_clover.engine.adaptive import AcceptanceStats, AdaptiveDrafting, AdaptiveTree, heads_prior
+        from vllm_clover.engine.calibration import calibrate
+
+        o = self.options
+        curve = calibrate(runner, self)
+        prior = heads_prior(o.checkpoint, self.model.config.num_heads, o.draft_vocab_size)
+        tree = AdaptiveTree(curve=curve, stats=AcceptanceStats(prior, o.prompt_lookup_tokens),
+                            max_nodes=o.adaptive_max_nodes, max_lookup=o.prompt_lookup_tokens)
+        self.adaptive = AdaptiveDrafting(tree)
 
     def _retrieve(self, committed: np.ndarray, k: int) -> np.ndarray:
         """Up to ``k`` retrieval tokens after ``committed``: prompt lookup, else the datastore."""

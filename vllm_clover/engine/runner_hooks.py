@@ -47,6 +47,7 @@ for drafts (patch ``engine-no-draft-fetch-when-drafting-off``).
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Callable
 
 from vllm_clover.engine.frontend import is_clover_vllm_config
@@ -288,6 +289,28 @@ class CloverWorkerExtension:
         """How this drafter runs: ``matmul_dtype``, the dtype of its packed products on CPU
         (the draft_dtype option resolved; the model's dtype elsewhere)."""
         return {"matmul_dtype": str(self._clover_drafter().matmul_dtype).removeprefix("torch.")}
+
+    def clover_adaptive_force(self, shapes: list[tuple[int, int]]) -> int:
+        """With the adaptive tree: draft (heads nodes, lookup tokens) ``shapes[s % len]`` at
+        step s instead of the chosen shape ((0, 0): no drafts); [] returns to choosing. For
+        tests that change the shape between steps. Returns the number of shapes set."""
+        adaptive = self._clover_drafter().adaptive
+        if adaptive is None:
+            raise RuntimeError("vllm-clover: this engine does not run the adaptive tree")
+        adaptive.tree.forced = [(int(n), int(k)) for n, k in shapes]
+        return len(adaptive.tree.forced)
+
+    def clover_adaptive_state(self) -> dict:
+        """With the adaptive tree: its cost curve (as stored in the calibration cache), the
+        current acceptance estimates and the learnt overheads (for reports and tests)."""
+        adaptive = self._clover_drafter().adaptive
+        if adaptive is None:
+            raise RuntimeError("vllm-clover: this engine does not run the adaptive tree")
+        tree = adaptive.tree
+        return {"curve": json.loads(tree.curve.to_json()), "head_rates": tree.stats.head_rates().tolist(),
+                "lookup_rates": {s: tree.stats.lookup_rates(s).tolist() for s in tree.stats.lookup_trials},
+                "overhead_ms": {f"{'on' if m else 'off'}:{b}": v for (m, b), v in tree.clock.overhead_ms.items()},
+                "draft_ratio": tree.clock.draft_ratio, "steps": tree.steps}
 
     def clover_timing(self, reset: bool = True) -> dict[str, float]:
         """Seconds spent in Clover drafting (trunk + heads) and the number of drafting

@@ -369,3 +369,46 @@ ENGINE_DRAFT_FETCH = Patch(
     apply=install_engine_draft_fetch,
     check=check_engine_draft_fetch,
 )
+
+
+# ------------------------------------------------------------------ calibration after warm-up
+def _workers() -> list[type]:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return [Worker, CPUWorker]
+
+
+def install_calibrate() -> None:
+    from vllm_clover.engine.calibration import wrap_compile_or_warm_up
+
+    for worker in _workers():
+        wrap(worker, "compile_or_warm_up_model", wrap_compile_or_warm_up, CALIBRATE)
+
+
+def check_calibrate() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for worker in _workers():
+        assert "compile_or_warm_up_model" in vars(worker), worker
+        assert params(worker.compile_or_warm_up_model) == ["self"], worker
+    dummy = params(GPUModelRunner._dummy_run)
+    assert dummy[:2] == ["self", "num_tokens"], dummy
+    # calibration.measure times the first output (every row's hidden state) through compute_logits.
+    assert "return hidden_states, hidden_states[logit_indices_device]" in source(GPUModelRunner._dummy_run)
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert {"scheduled_spec_decode_tokens", "total_num_scheduled_tokens"} <= set(SchedulerOutput.__dataclass_fields__)
+
+
+CALIBRATE = Patch(
+    name="worker-calibrate-after-warm-up",
+    target="vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model, "
+           "vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model",
+    why=("After vLLM's warm-up, a Clover drafter with the adaptive tree times the target over 1-128 "
+         "verify tokens and its own head step and trunk (a few seconds, cached per model, dtype, "
+         "machine and vLLM version), the costs the tree is chosen from at every step."),
+    remove_when="vLLM has a start-up hook for proposers (or speculation that prices its own rows)",
+    apply=install_calibrate,
+    check=check_calibrate,
+)

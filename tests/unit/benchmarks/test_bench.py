@@ -45,7 +45,7 @@ def test_aggregate_compares_like_environments() -> None:
     assert res["ngram@2!K=0"]["env"] == {"K": "0"} and res["ngram@2"]["env"] == {}
 
 
-@pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("clover", "needs a checkpoint"),
+@pytest.mark.parametrize("bad, msg", [("foo", "unknown method"), ("medusa", "needs a checkpoint"),
                                       ("vanilla!X", "expected VAR=VALUE"), ("vanilla!1X=2", "expected VAR=VALUE"),
                                       ("ngram:/x", "takes no checkpoint"), ("ngram@x", "bad speculative"),
                                       ("clover:/h?draft_vocab_size", "expected KEY=VALUE"),
@@ -53,6 +53,24 @@ def test_aggregate_compares_like_environments() -> None:
 def test_parse_method_errors(bad: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         bench.parse_method(bad)
+
+
+def test_bare_clover_is_the_served_default() -> None:
+    """``clover`` alone: the shipped heads with this machine's serve options for the dtype
+    (what ``vllm-clover serve`` passes), ``?KEY=VALUE`` on top; a path keeps only its own."""
+    from vllm_clover.serve_defaults import shipped_serve_options
+    from vllm_clover.training.train import shipped_heads_dir
+
+    spec = bench.resolve_method(bench.parse_method("clover"), "float32")
+    assert spec.path == str(shipped_heads_dir())
+    assert dict(spec.options) == shipped_serve_options("float32")
+    cfg = bench.speculative_config(spec, 4)
+    assert cfg == {"method": "clover", "model": str(shipped_heads_dir()),
+                   **({} if "tree" in cfg else {"num_speculative_tokens": 4}), **shipped_serve_options("float32")}
+    changed = bench.resolve_method(bench.parse_method("clover?tree=small_5&tree_token_budget=14"), "float32")
+    assert dict(changed.options) == {**shipped_serve_options("float32"), "tree": "small_5", "tree_token_budget": 14}
+    own = bench.parse_method("clover:/h?tree=small_4")
+    assert bench.resolve_method(own, "float32") == own
 
 
 def test_speculative_configs() -> None:
