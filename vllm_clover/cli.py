@@ -56,6 +56,14 @@ SPEC_FLAGS = ("--speculative-config", "--speculative_config", "--speculative-mod
               "--spec-method", "--num-speculative-tokens", "--spec-tokens", "-sc")
 
 
+# vLLM refuses LoRA with speculative decoding unless max_num_batched_tokens >= max_num_seqs * (K + 1)
+# ("Consider increasing max_num_batched_tokens or decreasing num_speculative_tokens",
+# engine/arg_utils.py:2671), with max_num_seqs 256 by default; the served trees verify up to
+# 33 rows per request. With --enable-lora and speculation, vllm-clover serve caps the running
+# requests at this many unless the user sets either limit (docs/structured-output-and-lora.md).
+LORA_MAX_NUM_SEQS = 32
+
+
 def default_clover_config(heads: Path, dtype: str | None = None) -> str:
     """The ``--speculative-config`` JSON for the shipped heads in ``heads`` on this platform."""
     return json.dumps({"method": "clover", "model": str(heads), **shipped_serve_options(dtype)})
@@ -78,7 +86,8 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover
     Adds the CPU defaults documented in docs/cpu-defaults.md unless the user set them. On
     the default model, with ``clover`` and no speculative flag of the user's, Clover runs
     with the heads shipped in vllm_clover/heads/ and the options of this platform's row of
-    the serve-defaults table (vllm_clover/serve_defaults.py).
+    the serve-defaults table (vllm_clover/serve_defaults.py). With ``--enable-lora`` and
+    speculation, at most :data:`LORA_MAX_NUM_SEQS` requests run unless the user sets a limit.
     """
     if model is None:
         from vllm_clover.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -90,6 +99,9 @@ def serve_argv(model: str | None, host: str, port: int, extra: list[str], clover
         heads = shipped_heads_dir()
         if clover and (heads / "config.json").is_file() and not _has_flag(extra, *SPEC_FLAGS):
             extra = [*extra, "--speculative-config", default_clover_config(heads, _flag_value(extra, "--dtype"))]
+    if (_has_flag(extra, "--enable-lora") and _has_flag(extra, *SPEC_FLAGS)
+            and not _has_flag(extra, "--max-num-seqs", "--max-num-batched-tokens")):
+        extra = [*extra, "--max-num-seqs", str(LORA_MAX_NUM_SEQS)]
     argv = ["serve", model, "--host", host, "--port", str(port)]
     if cpu_env.is_cpu_platform():
         if not _has_flag(extra, "--dtype"):

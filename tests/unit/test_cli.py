@@ -33,6 +33,20 @@ def test_serve_argv_respects_user_flags(monkeypatch) -> None:
     assert argv[-3:] == ["--dtype=bfloat16", "--kv-cache-memory-bytes", "5"]
 
 
+def test_serve_argv_lora_with_speculation_caps_running_requests(monkeypatch) -> None:
+    """vLLM refuses --enable-lora with speculation at its default max_num_seqs and Clover's K:
+    serve caps the running requests, unless the user set a limit or there is no speculation."""
+    monkeypatch.setattr(cpu_env, "is_cpu_platform", lambda: True)
+    spec = ["--speculative-config", "{}"]
+    argv = cli.serve_argv("/m", "h", 1, ["--enable-lora", *spec])
+    assert argv[argv.index("--max-num-seqs") + 1] == str(cli.LORA_MAX_NUM_SEQS)
+    for user in (["--max-num-seqs", "8"], ["--max-num-batched-tokens=9000"]):
+        got = cli.serve_argv("/m", "h", 1, ["--enable-lora", *spec, *user])
+        assert got.count("--max-num-seqs") == user.count("--max-num-seqs")
+    assert "--max-num-seqs" not in cli.serve_argv("/m", "h", 1, ["--enable-lora"])
+    assert "--max-num-seqs" not in cli.serve_argv("/m", "h", 1, spec)
+
+
 @pytest.fixture
 def default_with_heads(monkeypatch, tmp_path):
     """serve_argv's default-model branch without converting the model; fake shipped heads."""
