@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The GPU check (vllm_clover/benchmarks/gpu_check.sh) also runs on machines without vLLM: there
+# only the kernel tests run.
+pytest.importorskip("vllm", reason="needs vLLM (the GPU check's kernel-only machines have none)")
+
 from vllm_clover.engine.proposer import device_trunk_inputs, trunk_inputs
 
 pytestmark = pytest.mark.gpu_path

@@ -37,7 +37,7 @@ def _interpret(monkeypatch):
     yield
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.gpu_path, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 # ============================================================================ helpers
