@@ -13,8 +13,9 @@ verification, in five places (hooks in ``runner_hooks``, catalogue in ``patches`
 2. ``tree_attention_rows`` (after the attention kernel of each target layer): recompute
    the rows of tree requests with the ancestor mask (prefix + ancestors + self), on CPU
    straight from vLLM's cache layout (C++ kernel ``vllm_clover.kernels.tree_attention_cpu``; PyTorch
-   with ``VLLM_CLOVER_CPU_TREE_KERNEL=0``), on GPU through ``vllm_clover.kernels.tree_attention``; the
-   native kernels know only causal masks.
+   with ``VLLM_CLOVER_CPU_TREE_KERNEL=0``), in FlashAttention's layout with one varlen launch for
+   all tree rows of the step (``vllm_clover.engine.attention_backend``, chosen by the impl's KV
+   layout, not the device); the native kernels know only causal masks.
 3. ``CloverRejectionSampler`` (replaces ``runner.rejection_sampler``): greedy rows take the
    longest path matching the target's argmax; sampled rows use lossless multi-candidate
    rejection sampling (``tree.sample_accept``). The accepted path is then handed to vLLM's
