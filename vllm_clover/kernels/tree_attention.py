@@ -89,6 +89,19 @@ def tree_attention_ref(q: Tensor, key_cache: Tensor, value_cache: Tensor, block_
 if HAS_TRITON:
 
     @triton.jit
+    def _attend_tile(q, k, v, allow, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
+        # One online-softmax step over a tile of keys: scores of q [BQ, D] against k [BN, D]
+        # where ``allow`` [BQ or 1, BN] holds, running max m_i, normaliser l_i, output acc.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(allow, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _tree_attn_kernel(
         Q, K, V, O, BT, SL, M,
         sqb, sqq, sqh, sqd,
@@ -128,14 +141,7 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0)
             v = tl.load(V + blk[:, None] * svb + off[:, None] * svs + kvh * svh + offs_d[None, :] * svd,
                         mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(p_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, p_ok[None, :], m_i, l_i, acc, scale, PRECISION)
 
         # Phase 2: the tree rows themselves, under the ancestor mask.
         for tstart in range(0, num_q, BLOCK_T):
@@ -151,14 +157,7 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0)
             allow = tl.load(M + b * smb + offs_q[:, None] * smi + j[None, :] * smj,
                             mask=q_ok[:, None] & j_ok[None, :], other=0) != 0
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(allow, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, allow, m_i, l_i, acc, scale, PRECISION)
 
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(O + b * sob + offs_q[:, None] * soq + h * soh + offs_d[None, :] * sod,
@@ -317,14 +316,7 @@ if HAS_TRITON:
                         mask=kv_mask, other=0.0)
             v = tl.load(V + blk[:, None] * svb + off[:, None] * svs + kvh * svh + offs_d[None, :] * svd,
                         mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(p_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, p_ok[None, :], m_i, l_i, acc, scale, PRECISION)
 
         # Phase 2: the tree rows, under the ancestor bitmask.
         for tstart in range(0, n1, BLOCK_T):
@@ -341,14 +333,7 @@ if HAS_TRITON:
             word = tl.load(M + r * smr + offs_q[:, None] * smi + (j // 32)[None, :] * smw,
                            mask=q_ok[:, None] & j_ok[None, :], other=0)
             allow = ((word >> (j % 32)[None, :]) & 1) != 0
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(allow & j_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, allow & j_ok[None, :], m_i, l_i, acc, scale, PRECISION)
 
         o = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(O + rows[:, None] * sot + h * soh + offs_d[None, :] * sod,
