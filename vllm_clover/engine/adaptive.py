@@ -310,6 +310,8 @@ class AdaptiveTree:
     forced: list[tuple[int, int]] = field(default_factory=list)
     steps: int = 0
     on: bool = False
+    # Steps per (batch size, heads nodes, lookup tokens) chosen, (batch, 0, 0) = no speculation.
+    chosen: dict[tuple[int, int, int], int] = field(default_factory=dict)
     _logged: set = field(default_factory=set)
 
     def refresh(self) -> NodeOrder:
@@ -389,8 +391,10 @@ class AdaptiveTree:
         return int(n), int(lookup), float(rate[n, lookup]), float(plain), float(draft[n])
 
     def _log(self, batch: int, shape: Shape) -> None:
-        """Log the choice once per (batch size, choice)."""
+        """Count the choice; log it once per (batch size, choice)."""
         label = (batch, shape.on, shape.tree.num_nodes if shape.tree is not None else 0, shape.lookup)
+        count = (batch, label[2], shape.lookup)
+        self.chosen[count] = self.chosen.get(count, 0) + 1
         if label in self._logged or len(self._logged) > 256:
             return
         self._logged.add(label)
@@ -463,6 +467,7 @@ class AdaptiveDrafting:
         if not tree.could_pay(batch):
             self.shape = OFF
             tree.on = False
+            tree.chosen[(batch, 0, 0)] = tree.chosen.get((batch, 0, 0), 0) + 1
         else:
             for i in range(batch):
                 if chain_ok[i] and tree.max_lookup:
