@@ -185,7 +185,7 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
         command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
-    # SIGTERM (a scheduler, `timeout`, a session's end) checkpoints like Ctrl-C does.
+    # SIGTERM (a job scheduler, `timeout`, a shutdown) checkpoints like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if targs.method == "eagle3":  # its own loop: aux-layer features per batch, training-time test
         from vllm_clover.training.eagle3 import train_eagle3 as train
