@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -534,7 +533,7 @@ def train_eagle3(args: TrainArgs, resume: bool = False, stop_after: int | None =
     from vllm_clover.training.features import load_target_head
     from vllm_clover.training.inputs import check_target, resolve_target
     from vllm_clover.training.train import CHECKPOINT_DIR, _linear_warmup_decay, _output_dir, \
-        _restore_training_state, _wait_while_paused, _window_metrics, save_training_state
+        _restore_training_state, _wait_while_paused, _window_metrics, save_training_state, seed_all
 
     t_start = time.perf_counter()
     _check_args(args)
@@ -548,9 +547,7 @@ def train_eagle3(args: TrainArgs, resume: bool = False, stop_after: int | None =
     vocab, vocab_source = draft_vocabulary(target, target_config, ds, args.draft_vocab or DRAFT_VOCAB_SIZE)
     t_data = time.perf_counter() - t_start
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
+    seed_all(args.seed)
     try:
         config = shape_config("eagle", target_config, args.num_heads, 1)
     except ValueError as exc:

@@ -284,9 +284,7 @@ def _seeded_model(args: TrainArgs, target: Path, target_config: dict[str, Any], 
     baselines, its embedding)."""
     from vllm_clover.training.features import load_target_head
 
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
+    seed_all(args.seed)
     drafter, config = build_model_for_target(args, target, target_config)
     if args.init_from is not None:
         load_trained_heads(drafter, args.init_from, target_config)
@@ -481,6 +479,13 @@ def _fmt_acc(acc: Sequence[float]) -> str:
 
 
 # ============================================================================ checkpoint (exact resume)
+def seed_all(seed: int) -> None:
+    """Seed torch, Python's and numpy's generators (a run's draws start here)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def _rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": np.random.get_state()}
