@@ -85,14 +85,14 @@ def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 def data_vocab_ranking(ds, vocab_size: int) -> Tensor:
     """All ids ranked like ``draft_vocab.token_ranking``: count as an assistant token, then
-    anywhere, then low id first. ``ds[i]``: {"input_ids", "loss_mask"}. long [V]."""
-    resp = np.zeros(vocab_size, dtype=np.int64)
-    allc = np.zeros(vocab_size, dtype=np.int64)
-    for i in range(len(ds)):
-        ids, mask = ds[i]["input_ids"].numpy(), ds[i]["loss_mask"].numpy().astype(bool)
-        np.add.at(resp, ids[mask], 1)
-        np.add.at(allc, ids, 1)
-    return torch.from_numpy(np.lexsort((np.arange(vocab_size), -allc, -resp)))
+    anywhere, then low id first (:func:`corpus.rank_tokens`). ``ds[i]``: {"input_ids",
+    "loss_mask"}. long [V]."""
+    from vllm_clover.training.corpus import rank_tokens
+
+    items = [ds[i] for i in range(len(ds))]
+    ids = np.concatenate([item["input_ids"].numpy() for item in items])
+    mask = np.concatenate([item["loss_mask"].numpy() for item in items])
+    return torch.from_numpy(rank_tokens(ids, mask, vocab_size).astype(np.int64))
 
 
 def draft_vocabulary(target: Path, target_config: Mapping[str, Any], ds, size: int
