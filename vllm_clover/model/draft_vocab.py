@@ -35,6 +35,15 @@ class DraftVocabError(ValueError):
     """A missing, malformed or too-small draft vocabulary (one line, names the file)."""
 
 
+def rank_tokens(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids ranked for a draft vocabulary (int32 [V]): by count as a response token
+    (mask set), then count anywhere, then low id first. ``tokens`` [N], ``mask`` [N] (unpacked)."""
+    ids = tokens.astype(np.int64)
+    resp = np.bincount(ids[mask.astype(bool)], minlength=vocab_size)
+    allc = np.bincount(ids, minlength=vocab_size)
+    return np.lexsort((np.arange(vocab_size), -allc, -resp)).astype(np.int32)
+
+
 def token_ranking(dataset: Any, vocab_size: int) -> Tensor:
     """All token ids ranked for a draft vocabulary (long [vocab_size], best first).
 
@@ -44,15 +53,12 @@ def token_ranking(dataset: Any, vocab_size: int) -> Tensor:
     """
     from safetensors import safe_open
 
-    resp = np.zeros(vocab_size, dtype=np.int64)
-    allc = np.zeros(vocab_size, dtype=np.int64)
+    ids, mask = [], []
     for path in dataset.files:
         with safe_open(str(path), "np") as f:
-            ids = f.get_tensor("input_ids").astype(np.int64)
-            mask = f.get_tensor("loss_mask").astype(bool)
-        np.add.at(resp, ids[mask], 1)
-        np.add.at(allc, ids, 1)
-    return torch.from_numpy(np.lexsort((np.arange(vocab_size), -allc, -resp)))
+            ids.append(f.get_tensor("input_ids"))
+            mask.append(f.get_tensor("loss_mask"))
+    return torch.from_numpy(rank_tokens(np.concatenate(ids), np.concatenate(mask), vocab_size).astype(np.int64))
 
 
 def save_draft_vocab(out: str | Path, ranking: Tensor, source: str) -> Path:

@@ -39,6 +39,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from vllm_clover.model.draft_vocab import rank_tokens
 from vllm_clover.training.args import TrainingError, log
 from vllm_clover.training.data import Conversation, tokenize_conversation
 
@@ -171,16 +172,6 @@ def _pack(parts: Sequence[tuple[int, list[int], list[int]]], vocab_size: int) ->
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
             "source": np.array([s for s, _i, _m in parts], dtype=np.uint8),
             "ranking": rank_tokens(tokens, mask, vocab_size)}
-
-
-def rank_tokens(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Token ids ranked for a draft vocabulary (int32 [V]), as draft_vocab.token_ranking ranks
-    them: by count as a response token (mask set), then count anywhere, then low id first.
-    ``tokens`` [N], ``mask`` [N] (unpacked)."""
-    ids = tokens.astype(np.int64)
-    resp = np.bincount(ids[mask.astype(bool)], minlength=vocab_size)
-    allc = np.bincount(ids, minlength=vocab_size)
-    return np.lexsort((np.arange(vocab_size), -allc, -resp)).astype(np.int32)
 
 
 def _write(out: Path, arrays: dict[str, np.ndarray], info: dict[str, Any]) -> None:

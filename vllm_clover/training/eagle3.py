@@ -85,9 +85,9 @@ def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 def data_vocab_ranking(ds, vocab_size: int) -> Tensor:
     """All ids ranked like ``draft_vocab.token_ranking``: count as an assistant token, then
-    anywhere, then low id first (:func:`corpus.rank_tokens`). ``ds[i]``: {"input_ids",
+    anywhere, then low id first (:func:`draft_vocab.rank_tokens`). ``ds[i]``: {"input_ids",
     "loss_mask"}. long [V]."""
-    from vllm_clover.training.corpus import rank_tokens
+    from vllm_clover.model.draft_vocab import rank_tokens
 
     items = [ds[i] for i in range(len(ds))]
     ids = np.concatenate([item["input_ids"].numpy() for item in items])
