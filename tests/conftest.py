@@ -64,6 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu_path: the GPU tree-verification code (FlashAttention KV "
                             "layout, varlen kernel, tree backend metadata); runs in the Triton "
                             "interpreter on CPU, on CUDA where there is one")
+    config.addinivalue_line("markers", "distributed: several processes (tensor parallel over gloo, "
+                            "Ray, data-parallel training); runs on CPU")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
