@@ -10,7 +10,9 @@ Subcommands:
   patches         list every vLLM internal the plugin touches, and why
   corpus          tokenize ShareGPT's training split once (all turns) for ``train --data DIR``
   train           train Clover heads for a target (docs/training.md); ``--method medusa|eagle|eagle3``
-                  trains the Medusa-1 / EAGLE-1 / EAGLE-3 baselines the same way, in vLLM's formats
+                  trains the Medusa-1 / EAGLE-1 / EAGLE-3 baselines the same way, in vLLM's formats;
+                  ``torchrun --nproc_per_node N -m vllm_clover.cli train --data CORPUS_DIR ...``
+                  trains data-parallel on N devices (vllm_clover/training/distributed.py)
   eval            held-out per-head accuracy and acceptance length of trained heads
                   (Clover, Medusa or EAGLE checkpoints)
   convert         convert an official Clover-2 checkpoint into this plugin's format
@@ -166,6 +168,9 @@ def resolve_compute_dtype(choice: str, device: str = "cpu") -> str:
 
 
 def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
+    from vllm_clover.training.args import env_rank
+    from vllm_clover.training.corpus import is_corpus
+    from vllm_clover.training.distributed import check_supported, world_size_from_env
     from vllm_clover.training.train import TrainArgs, train
 
     # --num-layers means Aug layers (clover, 2), ResBlocks per head (medusa, 1) or decoder
@@ -185,11 +190,17 @@ def _cmd_train(args: argparse.Namespace, extra: list[str]) -> None:
         command=shlex.join(["vllm-clover", *sys.argv[1:]]))
     if targs.epochs is None and targs.steps is None:
         targs.epochs = 1.0
-    # SIGTERM (a job scheduler, `timeout`, a shutdown) checkpoints like Ctrl-C does.
+    # Under torchrun ($WORLD_SIZE > 1) every process runs this as one rank of a data-parallel
+    # run (vllm_clover/training/distributed.py); refuse what that does not cover first.
+    check_supported(targs.method, is_corpus(targs.data), world_size_from_env())
+    # SIGTERM (a job scheduler, `timeout`, a shutdown) checkpoints like Ctrl-C does; under
+    # several processes train() replaces both by a flag the ranks agree on before each step.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if targs.method == "eagle3":  # its own loop: aux-layer features per batch, training-time test
         from vllm_clover.training.eagle3 import train_eagle3 as train
     report = train(targs, resume=args.resume, stop_after=args.stop_after, deadline=args.stop_at)
+    if env_rank() != 0:  # rank 0 reports for the run
+        return
     if "interrupted_at_step" in report:
         print(f"[vllm-clover] stopped at step {report['interrupted_at_step']}; continue with --resume")
         return

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -19,9 +20,17 @@ class TrainingError(RuntimeError):
     """Bad input or state for training / evaluation; the message is one line."""
 
 
+def env_rank() -> int:
+    """This process's rank in a torchrun job (``$RANK``; 0 outside one)."""
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0
+
+
 def log(msg: str) -> None:
-    """One progress line on stderr."""
-    print(f"[vllm-clover] {msg}", file=sys.stderr, flush=True)
+    """One progress line on stderr; in a data-parallel run rank 0's only (every rank would
+    print the same line: the ranks share one state)."""
+    if env_rank() == 0:
+        print(f"[vllm-clover] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass

@@ -29,7 +29,8 @@ Tensor = torch.Tensor
 def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_head: Tensor,
                          loss_mask: Tensor, decay: float = 0.7, v_w: float = 10.0, p_w: float = 1.0,
                          vocab: Tensor | None = None, chunk_rows: int = 1024,
-                         backward: bool = True) -> tuple[float, dict[str, Tensor]]:
+                         backward: bool = True, denoms: Sequence[float] | None = None
+                         ) -> tuple[float, dict[str, Tensor]]:
     """Clover-2 loss (same value as :func:`vllm_clover.model.drafter.clover_loss`) + its backward.
 
     outputs: ``forward_train`` result, o_i [B, T-i, H]; target_hidden [B, T, H] float32
@@ -44,6 +45,10 @@ def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_he
     (freeing the [rows, V] tensors), and one final backward through
     ``sum_i (o_i * dL/do_i)`` + the regression terms finishes the graph.
 
+    ``denoms`` (K floats) replaces each head's denominator sum(mask) + 1: data-parallel
+    ranks pass the whole batch's (:func:`head_row_counts` summed over the ranks, + 1), so
+    their losses on disjoint shares of a batch add up to the loss of the whole batch.
+
     Returns (loss value, metrics) with metrics as in ``clover_loss`` (``vloss``, ``ploss``,
     ``correct``, ``total``, ``acc``; tensors [K]). With ``backward=False`` no gradient is
     computed (evaluation).
@@ -52,7 +57,7 @@ def clover_loss_backward(outputs: Sequence[Tensor], target_hidden: Tensor, lm_he
     weight = lm_head if vocab is None else lm_head[vocab]
     bu, uu = (loss_mask > 0).nonzero(as_tuple=True)  # trained positions, sorted by (b, u)
     tgt_rows = target_hidden[bu, uu]  # [n, H]
-    heads, vloss_total, vlosses = _regression_terms(outputs, tgt_rows, bu, uu, decay, v_w, backward)
+    heads, vloss_total, vlosses = _regression_terms(outputs, tgt_rows, bu, uu, decay, v_w, backward, denoms)
     plosses, correct = _soft_label_cross_entropy(heads, tgt_rows, weight, chunk_rows, backward)
     if backward:
         _backward_through_heads(heads, vloss_total, decay, p_w)
@@ -75,7 +80,8 @@ class _HeadRows:
 
 
 def _regression_terms(outputs: Sequence[Tensor], tgt_rows: Tensor, bu: Tensor, uu: Tensor, decay: float,
-                      v_w: float, backward: bool) -> tuple[list[_HeadRows], Tensor, list[Tensor]]:
+                      v_w: float, backward: bool, denoms: Sequence[float] | None = None
+                      ) -> tuple[list[_HeadRows], Tensor, list[Tensor]]:
     """Each head's trained rows and SmoothL1 regression term; returns (heads, the weighted
     sum of the terms [] (in the graph), each head's unweighted term [] detached)."""
     heads: list[_HeadRows] = []
@@ -84,7 +90,7 @@ def _regression_terms(outputs: Sequence[Tensor], tgt_rows: Tensor, bu: Tensor, u
     for i, o in enumerate(outputs):
         idx = (uu >= i).nonzero(as_tuple=True)[0]  # indices into the trained rows
         rows = o[bu[idx], uu[idx] - i].float()  # [n_i, H]
-        denom = float(len(idx)) + 1.0  # official: sum(mask) + 1
+        denom = float(len(idx)) + 1.0 if denoms is None else float(denoms[i])  # official: sum(mask) + 1
         vloss = F.smooth_l1_loss(rows, tgt_rows[idx], reduction="none").mean(-1).sum() / denom
         vloss_total = vloss_total + decay ** i * v_w * vloss
         vlosses.append(vloss.detach())
@@ -133,6 +139,13 @@ def _backward_through_heads(heads: list[_HeadRows], vloss_total: Tensor, decay: 
             surrogate = surrogate + decay ** i * p_w * (head.rows * head.leaf.grad).sum()
     if surrogate.requires_grad:
         surrogate.backward()
+
+
+def head_row_counts(loss_mask: Tensor, k: int) -> Tensor:
+    """Trained rows of each of ``k`` heads in a batch, float64 [k]: head i trains at the
+    positions u >= i with loss_mask [B, T] set (the rows :func:`clover_loss_backward` uses)."""
+    uu = (loss_mask > 0).nonzero(as_tuple=True)[1]
+    return torch.stack([(uu >= i).sum() for i in range(k)]).to(torch.float64)
 
 
 def loss_chunk_rows(device: torch.device) -> int:

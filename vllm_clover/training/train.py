@@ -36,14 +36,16 @@ import torch
 
 from vllm_clover.model.config import CloverConfig
 from vllm_clover.model.drafter import CloverDrafter, init_from_target, match_token_value_scale
-from vllm_clover.training.args import TrainArgs, TrainingError, device_name, log, resolve_device
+from vllm_clover.training.args import TrainArgs, TrainingError, device_name, log, resolve_device  # noqa: F401 (re-exported)
 from vllm_clover.training.baselines import build_baseline, save_baseline, shape_config
 from vllm_clover.training.batches import BatchPlan, to_device
 from vllm_clover.training.corpus import Corpus, is_corpus
+from vllm_clover.training.distributed import DataParallel, check_supported, world_size_from_env
 from vllm_clover.training.inputs import FeatureChunks, build_feature_chunks, check_target, resolve_target, select_conversations
 from vllm_clover.training.state import LEGACY_PICKLE, StateError, has_state, load_state, save_state
 from vllm_clover.training.stream import CorpusSlice, TargetFeatures
-from vllm_clover.training.loss import batch_vocab, clover_loss_backward, frequent_vocab, loss_chunk_rows, loss_settings
+from vllm_clover.training.loss import batch_vocab, clover_loss_backward, frequent_vocab, head_row_counts, \
+    loss_chunk_rows, loss_settings
 
 Tensor = torch.Tensor
 
@@ -173,6 +175,7 @@ class _Run:
     warmup: int
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    dp: DataParallel  # this process's rank (world size 1: a single process)
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     elapsed_before: float = 0.0  # training seconds of earlier calls (resumed runs)
@@ -187,21 +190,35 @@ def train(args: TrainArgs, resume: bool = False, stop_after: int | None = None,
     ``stop_after``: stop (after checkpointing) once this many steps are done in this call,
     to simulate an interruption (tests, ``--stop-after``). ``deadline``: a ``time.time()``
     after which no new step starts (the run checkpoints and stops; ``--stop-at``).
+    Under torchrun (``$WORLD_SIZE`` > 1) this process is one rank of a data-parallel run
+    (:mod:`~vllm_clover.training.distributed`); every rank returns the same report.
     Raises :class:`TrainingError`.
     """
     t_start = time.perf_counter()
     args.validate()
-    device = resolve_device(args.device)
+    check_supported(args.method, is_corpus(args.data), world_size_from_env())
+    dp = DataParallel.start(args.device)
+    try:
+        return _train(args, dp, resume, stop_after, progress, deadline, t_start)
+    finally:
+        dp.close()
+
+
+def _train(args: TrainArgs, dp: DataParallel, resume: bool, stop_after: int | None, progress: bool,
+           deadline: float | None, t_start: float) -> dict[str, Any]:
+    """:func:`train` on this rank's device, once the process group (if any) is joined."""
     out, state_path = _output_dir(args, resume)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = resolve_target(args.target)
     target_config = check_target(target)
-    ds, data_info, timings = _training_data(args, target, device)
-    run = _prepare_run(args, device, out, target, target_config, ds, data_info)
+    ds, data_info, timings = _training_data(args, target, dp.device)
+    run = _prepare_run(args, dp, out, target, target_config, ds, data_info)
     if resume:
         _restore_training_state(run, state_path)
-    out.mkdir(parents=True, exist_ok=True)
+    dp.barrier()  # every rank has checked and read --out before rank 0 writes into it
+    if dp.is_main:
+        out.mkdir(parents=True, exist_ok=True)
     if not _train_loop(run, stop_after, progress, deadline):
         return {"interrupted_at_step": run.step}
     return _finish(run, timings, t_start)
@@ -257,25 +274,39 @@ def _check_corpus_target(corpus: Corpus, target: Path) -> None:
                             f"({want.get('name') or want.get('dir')}); build one for {target}")
 
 
-def _prepare_run(args: TrainArgs, device: torch.device, out: Path, target: Path, target_config: dict[str, Any],
+def _prepare_run(args: TrainArgs, dp: DataParallel, out: Path, target: Path, target_config: dict[str, Any],
                  ds: FeatureChunks | CorpusSlice, data_info: dict[str, Any]) -> _Run:
     """Seed the RNGs, build the model on the frozen target head, plan the batches and
-    set up the optimizer and its schedule (in this order: the random draws depend on it)."""
+    set up the optimizer and its schedule (in this order: the random draws depend on it).
+    Under several processes every rank does the same, then takes rank 0's weights."""
+    device = dp.device
     drafter, config, norm_w, eps, lm_head = _seeded_model(args, target, target_config, device)
     size = args.train_vocab or args.draft_vocab
     vocab = frequent_vocab(ds, size, config.vocab_size).to(device) if size else None
     plan = BatchPlan(ds.lengths, args.batch_tokens, args.seed)
-    if args.token_value_init == "matched" and args.init_from is None:
-        _match_token_values(drafter, ds, plan, device)
+    if args.token_value_init == "matched" and args.init_from is None and dp.is_main:
+        _match_token_values(drafter, ds, plan, device)  # on the whole first batch, as one process
+    dp.broadcast_module(drafter)
     total_steps = args.steps if args.steps is not None else plan.steps_for_epochs(args.epochs)
     if total_steps < 1:
         raise TrainingError("the run has 0 steps (too few conversations or epochs)")
+    dp.check_batches(_planned_batches(plan, total_steps))
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, total_steps // 20)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=tuple(args.betas),
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup_decay(warmup, total_steps))
     return _Run(args, device, out, target, target_config, ds, data_info, drafter, config, norm_w, eps,
-                lm_head, vocab, plan, total_steps, warmup, optimizer, scheduler)
+                lm_head, vocab, plan, total_steps, warmup, optimizer, scheduler, dp)
+
+
+def _planned_batches(plan: BatchPlan, steps: int):
+    """The batches (lists of sequence indices) of the first ``steps`` global steps."""
+    epoch = 0
+    while steps > 0:
+        batches = plan.epoch(epoch)[:steps]
+        yield from batches
+        steps -= len(batches)
+        epoch += 1
 
 
 def _seeded_model(args: TrainArgs, target: Path, target_config: dict[str, Any], device: torch.device):
@@ -310,24 +341,29 @@ def _match_token_values(drafter: CloverDrafter, ds: FeatureChunks, plan: BatchPl
 
 def _train_loop(run: _Run, stop_after: int | None, progress: bool, deadline: float | None = None) -> bool:
     """Train from ``run.step`` to ``run.total_steps``, checkpointing every ``save_every``
-    steps; False when ``stop_after`` steps of this call or the deadline stopped it early."""
-    args = run.args
+    steps; False when ``stop_after`` steps of this call or the deadline stopped it early.
+    Each rank trains on its share of every batch; the ranks agree before each step whether
+    to pause or stop (:func:`_agreed_stop`), so they all stop at the same step."""
+    args, dp = run.args, run.dp
     run.drafter.train()
-    bar = _progress_bar(run) if progress else None
+    bar = _progress_bar(run) if progress and dp.is_main else None
     t_loop = time.perf_counter()
     done_here = 0
     try:
         while run.step < run.total_steps:
-            _wait_while_paused()
-            if deadline is not None and time.time() >= deadline:
+            reason = _agreed_stop(dp, deadline)
+            if reason is not None:
                 _checkpoint(run, run.elapsed_before + time.perf_counter() - t_loop)
+                dp.barrier()  # no rank leaves before the checkpoint is on disk
+                if reason == "signal":
+                    raise TrainingError(f"interrupted at step {run.step}; continue with --resume")
                 log(f"deadline reached at step {run.step}/{run.total_steps}; continue with --resume")
                 return False
             epoch, j = run.plan.locate(run.step)
             wall0, cpu0 = time.perf_counter(), time.process_time()
-            batch = to_device(run.ds.collate(run.plan.epoch(epoch)[j]), run.device)
+            batch = to_device(run.ds.collate(dp.share(run.plan.epoch(epoch)[j])), run.device)
             record = train_step(run.drafter, run.optimizer, run.scheduler, batch, run.norm_w, run.eps,
-                                run.lm_head, run.vocab, args)
+                                run.lm_head, run.vocab, args, dp)
             run.step += 1
             done_here += 1
             # CPU time next to wall time: on a shared machine the two differ a lot.
@@ -341,8 +377,9 @@ def _train_loop(run: _Run, stop_after: int | None, progress: bool, deadline: flo
             if run.step % args.save_every == 0 or run.step == run.total_steps or done_here == stop_after:
                 _checkpoint(run, run.elapsed_before + time.perf_counter() - t_loop)
             if stop_after is not None and done_here >= stop_after and run.step < run.total_steps:
+                dp.barrier()
                 return False
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # one process: Ctrl-C / SIGTERM (the CLI maps it) land here
         _checkpoint(run, run.elapsed_before + time.perf_counter() - t_loop)
         raise TrainingError(f"interrupted at step {run.step}; continue with --resume") from None
     finally:
@@ -352,8 +389,31 @@ def _train_loop(run: _Run, stop_after: int | None, progress: bool, deadline: flo
     return True
 
 
+def _agreed_stop(dp: DataParallel, deadline: float | None) -> str | None:
+    """Why the run stops before this step ("signal": SIGTERM / SIGINT under several
+    processes; "deadline": ``--stop-at`` passed) or None to go on, the same answer on every
+    rank (a flag any rank raises counts for all). Sleeps while any rank sees the pause file,
+    agreeing again every 2 s, so no rank waits in a collective meanwhile."""
+    path = os.environ.get(PAUSE_ENV)
+    paused_before = False
+    while True:
+        paused = bool(path) and os.path.exists(path)
+        late = deadline is not None and time.time() >= deadline
+        signalled, late, paused = dp.any_rank([dp.signalled, late, paused])
+        if signalled or late:
+            return "signal" if signalled else "deadline"
+        if not paused:
+            if paused_before:
+                log("resumed")
+            return None
+        if not paused_before:
+            log(f"paused while {path} exists")
+            paused_before = True
+        time.sleep(2.0)
+
+
 def _wait_while_paused() -> None:
-    """Sleep while the pause file (``$VLLM_CLOVER_PAUSE_FILE``) exists."""
+    """Sleep while the pause file (``$VLLM_CLOVER_PAUSE_FILE``) exists (one process)."""
     path = os.environ.get(PAUSE_ENV)
     if not path or not os.path.exists(path):
         return
@@ -372,19 +432,22 @@ def _progress_bar(run: _Run):
 
 def _finish(run: _Run, timings: dict[str, float], t_start: float) -> dict[str, Any]:
     """Write the final model (and Clover's draft vocabulary), training.json and
-    history.jsonl; drop the checkpoint unless ``--keep-checkpoint``. Returns the report."""
+    history.jsonl; drop the checkpoint unless ``--keep-checkpoint``. Returns the report.
+    Rank 0 alone writes; the others wait until it has."""
     args, out = run.args, run.out
     run.drafter.cpu()
-    save_model(out, run.drafter, run.config, args.method, run.target, run.target_config)
-    if args.method == "clover":
-        from vllm_clover.model.draft_vocab import save_draft_vocab
-
-        save_draft_vocab(out, run.ds.token_ranking(run.config.vocab_size), run.data_info["source"])
     report = _report(run, timings, t_start)
-    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in run.history))
-    if not args.keep_checkpoint:
-        shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    if run.dp.is_main:
+        save_model(out, run.drafter, run.config, args.method, run.target, run.target_config)
+        if args.method == "clover":
+            from vllm_clover.model.draft_vocab import save_draft_vocab
+
+            save_draft_vocab(out, run.ds.token_ranking(run.config.vocab_size), run.data_info["source"])
+        (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in run.history))
+        if not args.keep_checkpoint:
+            shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    run.dp.barrier()
     return report
 
 
@@ -398,6 +461,7 @@ def _report(run: _Run, timings: dict[str, float], t_start: float) -> dict[str, A
         "target": {"dir": str(run.target), "architecture": (run.target_config.get("architectures") or [None])[0],
                    "hidden_size": config.hidden_size, "vocab_size": config.vocab_size},
         "device": device_name(run.device),
+        "world_size": run.dp.world_size,  # processes (ranks) sharing each batch
         "data": run.data_info,
         "steps": run.total_steps,
         "warmup_steps": run.warmup,
@@ -417,8 +481,14 @@ def _report(run: _Run, timings: dict[str, float], t_start: float) -> dict[str, A
 
 
 def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Tensor], norm_w: Tensor,
-               eps: float, lm_head: Tensor, vocab: Tensor | None, args: TrainArgs) -> dict[str, Any]:
+               eps: float, lm_head: Tensor, vocab: Tensor | None, args: TrainArgs,
+               dp: DataParallel | None = None) -> dict[str, Any]:
     """One optimizer step on a ``collate_features`` batch; returns its history record.
+
+    With ``dp`` of several ranks, ``batch`` is this rank's share of the global batch: the
+    loss's per-head denominators, a ``--train-vocab`` subset and the gradients are combined
+    over the ranks so the step equals one process's step on the whole batch, and the record
+    holds the whole batch's loss and counts.
 
     x [B, T, H] (bf16 cache) -> fp32 drafter under autocast to ``args.compute_dtype``
     (bf16; none for float32) (Medusa / EAGLE get
@@ -441,11 +511,21 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
         step_vocab = vocab  # the full vocabulary, or the served draft vocabulary as it is
     else:
         step_vocab = batch_vocab(vocab, target_hidden, batch["loss_mask"], batch["input_ids"], lm_head)
+    denoms = None
+    if dp is not None and dp.enabled:
+        if step_vocab is not None and not args.draft_vocab:
+            step_vocab = dp.union(step_vocab)  # the whole batch's subset, as one process
+        # The whole batch's trained rows per head, + 1 (the official denominators).
+        denoms = (dp.sum(head_row_counts(batch["loss_mask"], len(outputs))) + 1.0).tolist()
     decay, v_w, p_w = loss_settings(args)
     loss, m = clover_loss_backward(outputs, target_hidden, lm_head, batch["loss_mask"],
-                                   decay, v_w, p_w, vocab=step_vocab, chunk_rows=loss_chunk_rows(x.device))
-    torch.nn.utils.clip_grad_value_([p for p in drafter.parameters() if p.requires_grad],
-                                    args.grad_clip_value)
+                                   decay, v_w, p_w, vocab=step_vocab, chunk_rows=loss_chunk_rows(x.device),
+                                   denoms=denoms)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if dp is not None and dp.enabled:
+        dp.sum_gradients(params)
+        loss, m = _summed_metrics(dp, loss, m)
+    torch.nn.utils.clip_grad_value_(params, args.grad_clip_value)
     optimizer.step()
     scheduler.step()
     return {"loss": loss,
@@ -454,6 +534,19 @@ def train_step(drafter: CloverDrafter, optimizer, scheduler, batch: dict[str, Te
             "correct": m["correct"].tolist(), "total": m["total"].tolist(),
             "vocab": drafter.config.vocab_size if step_vocab is None else len(step_vocab),
             "lr": scheduler.get_last_lr()[0]}
+
+
+def _summed_metrics(dp: DataParallel, loss: float, m: dict[str, Tensor]) -> tuple[float, dict[str, Tensor]]:
+    """The whole batch's loss and per-head metrics from each rank's share (the shares' loss
+    terms already carry the whole batch's denominators, so they add up)."""
+    k = len(m["total"])
+    parts = torch.cat([torch.tensor([loss], dtype=torch.float64)] +
+                      [m[key].to(torch.float64) for key in ("vloss", "ploss", "correct", "total")])
+    total = dp.sum(parts)
+    out = {key: total[1 + i * k:1 + (i + 1) * k].to(torch.float32)
+           for i, key in enumerate(("vloss", "ploss", "correct", "total"))}
+    out["acc"] = out["correct"] / out["total"].clamp(min=1.0)
+    return float(total[0]), out
 
 
 def _window_metrics(history: list[dict[str, Any]], n: int) -> dict[str, Any]:
@@ -499,19 +592,27 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_training_state(out: Path, drafter: CloverDrafter, optimizer, scheduler, step: int,
-                        args: TrainArgs, history: list[dict[str, Any]], elapsed: float) -> Path:
+                        args: TrainArgs, history: list[dict[str, Any]], elapsed: float,
+                        rng_ranks: list[dict[str, Any]] | None = None) -> Path:
     """Write ``<out>/checkpoint/`` (model fp32, optimizer, scheduler, RNG) as safetensors +
-    JSON (:mod:`~vllm_clover.training.state`); returns the directory."""
+    JSON (:mod:`~vllm_clover.training.state`); returns the directory. ``rng_ranks``: every
+    rank's RNG state of a data-parallel run, in rank order (``rng`` is then rank 0's)."""
     state = {"model": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "step": step, "rng": _rng_state(),
+             "scheduler": scheduler.state_dict(), "step": step,
+             "rng": _rng_state(),  # the caller's: rank 0's in a data-parallel run
              "args": args.resume_key(), "history": history, "elapsed": elapsed}
+    if rng_ranks:
+        state["rng_ranks"] = rng_ranks
     save_state(out / CHECKPOINT_DIR, state, step)
     return out / CHECKPOINT_DIR
 
 
 def _checkpoint(run: _Run, elapsed: float) -> None:
-    save_training_state(run.out, run.drafter, run.optimizer, run.scheduler, run.step, run.args,
-                        run.history, elapsed)
+    """Every rank calls this (its RNG state goes to rank 0); rank 0 writes the checkpoint."""
+    rngs = run.dp.gather(_rng_state())
+    if run.dp.is_main:
+        save_training_state(run.out, run.drafter, run.optimizer, run.scheduler, run.step, run.args,
+                            run.history, elapsed, rngs if run.dp.enabled else None)
 
 
 def _restore_training_state(run: _Run, state_path: Path) -> None:
@@ -529,5 +630,15 @@ def _restore_training_state(run: _Run, state_path: Path) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.step, run.history, run.elapsed_before = state["step"], state["history"], state["elapsed"]
-    _set_rng_state(state["rng"])
+    _set_rng_state(_rank_rng_state(state, getattr(run, "dp", None)))
     log(f"resumed {run.out} at step {run.step}/{run.total_steps}")
+
+
+def _rank_rng_state(state: dict[str, Any], dp: DataParallel | None) -> dict[str, Any]:
+    """This rank's RNG state in a checkpoint: its own when the checkpoint holds one per rank
+    for the same number of ranks, else rank 0's (the loop draws no random numbers, so weights
+    do not depend on it; the state is kept so that code which does draw resumes exactly)."""
+    ranks = state.get("rng_ranks")
+    if dp is not None and ranks and len(ranks) == dp.world_size:
+        return ranks[dp.rank]
+    return state["rng"]
