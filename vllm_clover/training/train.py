@@ -407,7 +407,8 @@ def _agreed_stop(dp: DataParallel, deadline: float | None) -> str | None:
                 log("resumed")
             return None
         if not paused_before:
-            log(f"paused while {path} exists")
+            mine = bool(path) and os.path.exists(path)
+            log(f"paused while {path} exists" if mine else "paused while another rank's pause file exists")
             paused_before = True
         time.sleep(2.0)
 
