@@ -259,15 +259,10 @@ class DataParallel:
 
 def _rank_device(device_arg: str, local_rank: int) -> torch.device:
     """The device of the rank with ``local_rank`` for ``--device``."""
-    try:
-        device = torch.device(device_arg)
-    except RuntimeError:
-        raise TrainingError(f"--device {device_arg!r} is not a torch device (use cpu or cuda)") from None
+    device = resolve_device(device_arg)  # a cpu or cuda device that exists here, or one line why not
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise TrainingError(f"--device {device_arg!r}: only cpu and cuda are supported")
-    if device.index is not None:
+    if torch.device(device_arg).index is not None:
         raise TrainingError(f"--device {device_arg} under several processes: pass --device cuda, "
                             f"each rank then uses cuda:$LOCAL_RANK")
     return resolve_device(f"cuda:{local_rank}")

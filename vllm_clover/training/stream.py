@@ -7,7 +7,9 @@ never stored: disk use is the corpus (2 bytes a token) whatever the data size, a
 over new tokens costs one target forward per token, the same as extracting them once.
 
 A resumed run replays the same batch plan, and the target's forward is deterministic for a
-given batch, thread count and device, so resumption stays exact.
+given batch, thread count and device, so resumption stays exact. In a data-parallel run
+(:mod:`~vllm_clover.training.distributed`) each rank collates only its share of a batch, so
+the target runs on that share alone.
 """
 
 from __future__ import annotations
