@@ -541,8 +541,9 @@ def _summed_metrics(dp: DataParallel, loss: float, m: dict[str, Tensor]) -> tupl
     """The whole batch's loss and per-head metrics from each rank's share (the shares' loss
     terms already carry the whole batch's denominators, so they add up)."""
     k = len(m["total"])
+    # On the CPU: vloss is on the training device, the counts on the CPU (dp.sum moves them).
     parts = torch.cat([torch.tensor([loss], dtype=torch.float64)] +
-                      [m[key].to(torch.float64) for key in ("vloss", "ploss", "correct", "total")])
+                      [m[key].to("cpu", torch.float64) for key in ("vloss", "ploss", "correct", "total")])
     total = dp.sum(parts)
     out = {key: total[1 + i * k:1 + (i + 1) * k].to(torch.float32)
            for i, key in enumerate(("vloss", "ploss", "correct", "total"))}
