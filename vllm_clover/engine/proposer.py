@@ -42,6 +42,7 @@ from vllm_clover.drafting.tree import StaticTree, build_dynamic_tree, dynamic_bu
 from vllm_clover.engine.tree_verify import (GREEDY_TEMPERATURE, TreeStep, TreeStepContext, chain_only_reason,
                                             select_tree, spine, trunk_view)
 from vllm_clover.engine.vllm_model import CloverForSpeculativeDecoding
+from vllm_clover.engine.vocab_parallel import TargetVocab
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +168,12 @@ class CloverProposer(MedusaProposer):
         self.options = CloverOptions.from_vllm_config(vllm_config)
         self.model: CloverForSpeculativeDecoding | None = None
         self._layer_names: set[str] = set()
-        # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H].
+        # Reduced draft vocabulary (draft_vocab.py): its ids [N] and LM-head rows [N, H]
+        # (under tensor parallelism this rank's rows, zeros for the other ranks').
         self.draft_ids: Tensor | None = None
         self.draft_weight: Tensor | None = None
+        # The target's LM head rows this rank holds (all of them without tensor parallelism).
+        self.vocab: TargetVocab | None = None
         # The LM-head product over the draft vocabulary ([B, H] -> [B, N]): the target's own
         # (packed on CPU) for the full vocabulary, a packed or plain product over draft_weight.
         self._draft_lm_head: Any = None
@@ -212,24 +216,28 @@ class CloverProposer(MedusaProposer):
         problem = cfg.target_mismatch(target_cfg)
         if problem:
             raise CloverCheckpointError(f"Clover checkpoint {self.spec_config.model} {problem}")
-        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise NotImplementedError("vllm-clover: tensor_parallel_size > 1 is not supported yet")
         if not supports_eagle3(target_model):
             raise CloverCheckpointError(
                 f"target {type(target_model).__name__} cannot return its pre-norm hidden states "
                 "(no SupportsEagle3 interface), which Clover needs")
         head = getattr(target_model, "lm_head", None)
         weight = getattr(head, "weight", None)
-        if weight is None or weight.shape[0] < cfg.vocab_size or weight.shape[1] != cfg.hidden_size:
+        vocab_rows = getattr(head, "org_vocab_size", None if weight is None else weight.shape[0])
+        if weight is None or vocab_rows < cfg.vocab_size or weight.shape[1] != cfg.hidden_size:
             raise CloverCheckpointError(
                 f"target lm_head weight {None if weight is None else tuple(weight.shape)} does not "
                 f"fit the Clover checkpoint (vocab {cfg.vocab_size}, hidden {cfg.hidden_size})")
-        # ParallelLMHead pads the vocabulary; Clover's E and LMHead are the real rows.
-        self.model.bind_target(weight[: cfg.vocab_size])
+        # ParallelLMHead pads the vocabulary and, under tensor parallelism, splits it over the
+        # ranks; Clover's E and LMHead are the real rows (vocab_parallel.py).
+        self.vocab = TargetVocab.of(head, cfg.vocab_size)
+        if self.vocab.sharded:
+            self.model.drafter.bind_vocab(self.vocab)
+        else:
+            self.model.bind_target(self.vocab.full_weight)
         if self.options.draft_vocab_size:
             ids = load_draft_vocab(self.options.checkpoint, self.options.draft_vocab_size, cfg.vocab_size)
             self.draft_ids = ids.to(weight.device)
-            self.draft_weight = weight[self.draft_ids].contiguous()
+            self.draft_weight = self.vocab.draft_rows(self.draft_ids)
         self._draft_lm_head = self._build_draft_lm_head(head, cfg.vocab_size)
         # Read by the runner's _setup_eagle3_aux_hidden_state_outputs right after this:
         # aux index num_layers = hidden + residual after the last layer = x_t.
@@ -615,13 +623,15 @@ class CloverProposer(MedusaProposer):
         """The draft LM-head product o [B, H] -> [B, N]. On vLLM's CPU build the drafter's
         ``nn.Linear``s and the draft-vocabulary rows are packed for the float32 kernel or oneDNN
         (cpu_linear.drafter_product) and the full vocabulary reuses the target's own packed LM
-        head; elsewhere plain products."""
+        head; elsewhere plain products. Under tensor parallelism each rank's product covers the
+        rows it holds: the draft vocabulary's partial logits are summed over the ranks, the full
+        vocabulary's gathered (vocab_parallel.py)."""
         aug_weights = self.model.take_aug_linear_weights()
         if not onednn_available():
             if self.draft_weight is None:
                 return self.model.logits
             weight = self.draft_weight
-            return lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight)
+            return self._summed_over_ranks(lambda o: torch.nn.functional.linear(o.to(weight.dtype), weight))
         # draft_dtype (cpu_linear.py): the products in bfloat16 halve the bytes drafting streams.
         # Without a reduced draft vocabulary the heads keep the target's own (float32) LM head.
         self.matmul_dtype = draft_matmul_dtype(self.options.draft_dtype, self.dtype)
@@ -634,12 +644,19 @@ class CloverProposer(MedusaProposer):
                     str(self.matmul_dtype).removeprefix("torch."), self.options.draft_dtype, packed,
                     type(draft_lm_head).__name__ if draft_lm_head is not None else "the target's")
         if draft_lm_head is not None:
-            return draft_lm_head
+            return self._summed_over_ranks(draft_lm_head)
         method = getattr(target_head, "quant_method", None)
         if method is None or not hasattr(method, "apply"):
             return self.model.logits
-        # ParallelLMHead pads its rows; Clover's LM head is the first vocab_size of them.
-        return lambda o: method.apply(target_head, o.to(target_head.weight.dtype))[..., :vocab_size]
+        # ParallelLMHead pads its rows (and splits them over the ranks); gather_logits keeps the
+        # real vocabulary, Clover's LM head.
+        return lambda o: self.vocab.gather_logits(method.apply(target_head, o.to(target_head.weight.dtype)))
+
+    def _summed_over_ranks(self, product: Any) -> Any:
+        """``product`` (o -> this rank's partial draft logits) summed over the TP ranks."""
+        if not self.vocab.sharded:
+            return product
+        return lambda o: self.vocab.reduce_draft_logits(product(o))
 
     def _draft_logits(self, o: Tensor) -> Tensor:
         """Head output o [B, H] -> float32 logits over the draft vocabulary [B, N] (N = V
@@ -650,7 +667,7 @@ class CloverProposer(MedusaProposer):
     def dummy_run(self, num_tokens: int, **_: Any) -> None:
         """Heads on zero states (the trunk needs paged-attention metadata, so it is
         exercised by real steps only). vLLM 0.32 does not call this for medusa drafters."""
-        if self.model is None or self.model.drafter.lm_head_weight is None:
+        if self.model is None or not self.model.drafter.bound:
             return
         rows = max(1, min(num_tokens, self.vllm_config.scheduler_config.max_num_seqs))
         state = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)

@@ -100,6 +100,7 @@ class CloverDrafter(nn.Module):
         self.head_norm = RMSNorm(h, eps)
         self.register_buffer("lm_head_weight", None, persistent=False)
         self.register_buffer("_embed_weight", None, persistent=False)
+        self._vocab: Any = None  # bind_vocab: E and lm_head as a (tensor-parallel) vocabulary
         self.gradient_checkpointing = False  # trainers may switch it on (Aug layers only)
         self.reset_parameters()
 
@@ -149,7 +150,23 @@ class CloverDrafter(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(w.shape)}, drafter expects ({v}, {h})")
         self.lm_head_weight = lm_head_weight.detach()
         self._embed_weight = None if embed_weight is None else embed_weight.detach()
+        self._vocab = None
         return self
+
+    def bind_vocab(self, vocab: Any) -> "CloverDrafter":
+        """Attach E and the lm_head as an object with ``embed(ids) -> [.., H]`` and
+        ``logits(o) -> [.., V]`` instead of [V, H] tensors: under tensor parallelism, this
+        rank's shard of the target's vocabulary, whose products reduce or gather over the
+        ranks (vllm_clover/engine/vocab_parallel.py)."""
+        self.lm_head_weight = None
+        self._embed_weight = None
+        self._vocab = vocab
+        return self
+
+    @property
+    def bound(self) -> bool:
+        """True once the target's E and lm_head are attached."""
+        return self.lm_head_weight is not None or self._vocab is not None
 
     @property
     def embed_weight(self) -> Tensor:
@@ -161,11 +178,15 @@ class CloverDrafter(nn.Module):
 
     def embed(self, tokens: Tensor, like: Tensor) -> Tensor:
         """E[tokens]: tokens [...] (long) -> [..., H] in ``like``'s dtype."""
+        if self._vocab is not None:
+            return self._vocab.embed(tokens).to(like.dtype)
         return F.embedding(tokens, self.embed_weight).to(like.dtype)
 
     def logits(self, o: Tensor, lm_head: LMHead | None = None) -> Tensor:
         """LMHead(o): o [..., H] -> [..., V]; ``lm_head`` is a [V, H] weight or a callable."""
         head = self.lm_head_weight if lm_head is None else lm_head
+        if head is None and self._vocab is not None:
+            return self._vocab.logits(o)
         if head is None:
             raise RuntimeError("CloverDrafter has no lm_head; call bind_target or pass lm_head")
         return apply_lm_head(head, o)
