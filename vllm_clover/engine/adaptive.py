@@ -48,6 +48,7 @@ import numpy as np
 
 from vllm_clover.drafting.tree import StaticTree
 from vllm_clover.engine.calibration import CostCurve
+from vllm_clover.engine.vocab_parallel import from_first_rank, is_first_rank, tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +297,31 @@ class Shape:
 OFF = Shape(tree=None, lookup=0, on=False)
 
 
+def encode_shape(shape: Shape, max_nodes: int) -> list[int]:
+    """``shape`` as 3 + 2 * ``max_nodes`` ints: on, lookup, node count, then per node (BFS
+    order) its parent's index in that order (-1: the root) and its rank; the rest -1."""
+    paths = shape.tree.paths if shape.on and shape.tree is not None else ()
+    if len(paths) > max_nodes:
+        raise ValueError(f"a tree of {len(paths)} nodes does not fit {max_nodes}")
+    index = {p: i for i, p in enumerate(paths)}
+    out = [int(shape.on), shape.lookup, len(paths)]
+    for p in paths:
+        out += [index[p[:-1]] if len(p) > 1 else -1, p[-1]]
+    return out + [-1] * (2 * (max_nodes - len(paths)))
+
+
+def decode_shape(values: Sequence[int]) -> Shape:
+    """The :class:`Shape` of :func:`encode_shape`'s ints (without its rates)."""
+    on, lookup, n = (int(v) for v in values[:3])
+    if not on:
+        return OFF
+    paths: list[tuple[int, ...]] = []
+    for i in range(n):
+        parent, rank = int(values[3 + 2 * i]), int(values[4 + 2 * i])
+        paths.append((paths[parent] if parent >= 0 else ()) + (rank,))
+    return Shape(tree=tree_of(tuple(paths)) if paths else None, lookup=lookup, on=True)
+
+
 @dataclass
 class AdaptiveTree:
     """The per-step chooser of one engine (owned by its CloverProposer)."""
@@ -436,6 +462,7 @@ class AdaptiveDrafting:
         self.stale: set[str] = set()  # requests whose trunk skipped steps (speculation was off)
         self.chains: list[tuple[list[int], str]] = []  # this step's, by batch row
         self.shape: Shape = OFF
+        self.parallel = tp_group() is not None  # several tensor-parallel ranks
 
     def begin(self, now: float, req_ids: Sequence[str], scheduler_output: Any,
               sampled_token_ids: Sequence[Sequence[int]]) -> None:
@@ -460,25 +487,39 @@ class AdaptiveDrafting:
 
     def plan(self, req_ids: Sequence[str], committed: Any, chain_ok: Sequence[bool], retrieve: Any) -> Shape:
         """This step's shape. ``committed(i)``: request i's committed tokens (numpy);
-        ``chain_ok[i]``: request i may take a tree and lookup tokens."""
+        ``chain_ok[i]``: request i may take a tree and lookup tokens.
+
+        Under tensor parallelism tensor-parallel rank 0 chooses and every rank drafts its
+        choice: the choice reads rank 0's clock, and each rank must draft and verify the same
+        tree (vocab_parallel.from_first_rank)."""
         batch = len(req_ids)
         tree = self.tree
         self.chains = []
-        if not tree.could_pay(batch):
-            self.shape = OFF
+        lead = is_first_rank()
+        shape = OFF
+        if lead and not tree.could_pay(batch):
             tree.on = False
             tree.chosen[(batch, 0, 0)] = tree.chosen.get((batch, 0, 0), 0) + 1
-        else:
-            for i in range(batch):
-                if chain_ok[i] and tree.max_lookup:
-                    tokens, source = retrieve(committed(i), tree.max_lookup)
-                    self.chains.append((list(tokens), source))
-                else:
-                    self.chains.append(([], "prompt"))
-            self.shape = tree.choose(batch, [len(c) for c, _ in self.chains], [s for _, s in self.chains])
-        if not self.shape.on:
+        elif lead:
+            self._look_up(batch, committed, chain_ok, retrieve)
+            shape = tree.choose(batch, [len(c) for c, _ in self.chains], [s for _, s in self.chains])
+        if self.parallel:
+            shape = decode_shape(from_first_rank(encode_shape(shape, tree.max_nodes)))
+            if not lead and shape.on:
+                self._look_up(batch, committed, chain_ok, retrieve)
+        self.shape = shape
+        if not shape.on:
             self.stale.update(req_ids)
-        return self.shape
+        return shape
+
+    def _look_up(self, batch: int, committed: Any, chain_ok: Sequence[bool], retrieve: Any) -> None:
+        """Every request's retrieval chain of this step (``chains``)."""
+        for i in range(batch):
+            if chain_ok[i] and self.tree.max_lookup:
+                tokens, source = retrieve(committed(i), self.tree.max_lookup)
+                self.chains.append((list(tokens), source))
+            else:
+                self.chains.append(([], "prompt"))
 
     def chain(self, i: int, k: int) -> list[int]:
         """Request i's lookup tokens of this step, at most ``k``."""

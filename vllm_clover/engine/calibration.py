@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from vllm_clover.engine.vocab_parallel import from_first_rank, is_first_rank
+
 logger = logging.getLogger(__name__)
 
 # Total verify tokens per step the target curve is measured at (capped by the engine's
@@ -145,7 +147,8 @@ def curve_key(vllm_config: Any, checkpoint: str, draft_vocab_size: int) -> dict[
     mc = vllm_config.model_config
     return {"model": str(mc.model), "dtype": str(mc.dtype).removeprefix("torch."),
             "max_model_len": int(mc.max_model_len), "machine": machine_id(), "vllm": vllm.__version__,
-            "eager": bool(mc.enforce_eager), "drafter": str(checkpoint), "draft_vocab_size": draft_vocab_size}
+            "eager": bool(mc.enforce_eager), "drafter": str(checkpoint), "draft_vocab_size": draft_vocab_size,
+            "tensor_parallel_size": int(vllm_config.parallel_config.tensor_parallel_size)}
 
 
 def cache_path(key: dict[str, Any]) -> Path:
@@ -223,7 +226,10 @@ def measure(runner: Any, drafter: Any, key: dict[str, Any]) -> CostCurve:
 
     target_ms = []
     for t in tokens:
-        if t > MIN_TOKENS and time.perf_counter() - t_start > BUDGET_S:
+        # Under tensor parallelism every rank runs the same forward passes (they are
+        # collectives): rank 0's clock says when to stop.
+        over = t > MIN_TOKENS and time.perf_counter() - t_start > BUDGET_S
+        if from_first_rank([int(over)])[0]:
             break
         target_ms.append(time_ms(lambda: target(t), 2, sync))
     tokens = tokens[: len(target_ms)]
@@ -256,15 +262,29 @@ def calibrate(runner: Any, drafter: Any) -> CostCurve:
     cached. Logs what it measured and how long that took."""
     key = curve_key(drafter.vllm_config, drafter.options.checkpoint, drafter.options.draft_vocab_size)
     curve = None if os.environ.get(RECALIBRATE_ENV) == "1" else load_cached(key)
-    if curve is not None:
-        logger.info("vllm-clover: adaptive tree costs from %s (measured in %.1f s when cached): %s",
-                    cache_path(key), curve.measure_s, curve.summary())
-        return curve
+    # Under tensor parallelism rank 0 decides (cached or measured) and every rank takes its
+    # curve: the adaptive choice is rank 0's on every rank (adaptive.py).
+    if from_first_rank([int(curve is not None)])[0]:
+        if is_first_rank():
+            logger.info("vllm-clover: adaptive tree costs from %s (measured in %.1f s when cached): %s",
+                        cache_path(key), curve.measure_s, curve.summary())
+        return first_rank_curve(curve)
     curve = measure(runner, drafter, key)
-    path = store(curve)
-    logger.info("vllm-clover: adaptive tree calibration took %.1f s (cached in %s): %s",
-                curve.measure_s, path, curve.summary())
-    return curve
+    if is_first_rank():
+        path = store(curve)
+        logger.info("vllm-clover: adaptive tree calibration took %.1f s (cached in %s): %s",
+                    curve.measure_s, path, curve.summary())
+    return first_rank_curve(curve)
+
+
+def first_rank_curve(curve: CostCurve | None) -> CostCurve:
+    """Tensor-parallel rank 0's ``curve`` on every rank (``curve`` itself with one rank)."""
+    from vllm_clover.engine.vocab_parallel import tp_group
+
+    group = tp_group()
+    if group is None:
+        return curve
+    return CostCurve.from_json(group.broadcast_object(curve.to_json() if group.rank_in_group == 0 else None, src=0))
 
 
 # ============================================================================ the hook
