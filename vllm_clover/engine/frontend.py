@@ -137,12 +137,14 @@ def refuse_unsupported(args: Any, options: CloverOptions, model_dtype: Any, on_c
         raise CloverSpecError(f"{V2_RUNNER_ENV}=1 selects vLLM's V2 model runner, which Clover does not "
                               f"support (it runs in the V1 runner's medusa slot); unset {V2_RUNNER_ENV} "
                               "or set it to 0")
-    parallel = {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
-                "pipeline_parallel_size": getattr(args, "pipeline_parallel_size", 1)}
-    for name, size in parallel.items():
-        if size and size > 1:
-            raise CloverSpecError(f"{name}={size}: Clover supports one worker (tensor and pipeline "
-                                  f"parallel size 1) only; leave {name} at 1 or serve without Clover")
+    # Tensor parallelism runs (vocab_parallel.py). With pipeline stages the drafter would need the
+    # last stage's hidden states on the first stage's ranks, which vLLM 0.32's medusa slot does
+    # not pass; refused here, before the target loads.
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    if pp and pp > 1:
+        raise CloverSpecError(f"pipeline_parallel_size={pp}: Clover runs with tensor parallelism "
+                              "(--tensor-parallel-size) but not with pipeline stages; leave "
+                              "pipeline_parallel_size at 1 or serve without Clover")
     if options.tree is None:
         return
     cache_dtype = str(getattr(args, "kv_cache_dtype", "auto") or "auto")

@@ -1,6 +1,6 @@
 """Settings Clover cannot run right are refused in the front end, before any engine process
 starts, each with one line naming the setting (``frontend.refuse_unsupported``): the V2 model
-runner, parallel workers, a quantised KV cache with a tree, and on a GPU a tree on an
+runner, pipeline stages, a quantised KV cache with a tree, and on a GPU a tree on an
 attention backend without tree rows or in float32. Each runs vLLM's own
 ``EngineArgs.create_engine_config`` (the front-end half of ``LLM(...)`` / ``vllm serve``)."""
 
@@ -50,11 +50,11 @@ def test_v2_model_runner_is_refused(default_model_dir, clover_ckpt_dir, monkeypa
     assert config.speculative_config.method == "medusa" and not config.use_v2_model_runner
 
 
-@pytest.mark.parametrize("key", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_parallel_workers_are_refused_before_loading(default_model_dir, clover_ckpt_dir, key) -> None:
+def test_pipeline_parallel_is_refused_before_loading(default_model_dir, clover_ckpt_dir) -> None:
     with pytest.raises(CloverSpecError) as excinfo:
-        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir)}, **{key: 2})
-    _refused(excinfo, f"{key}=2")
+        _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir)},
+                       pipeline_parallel_size=2)
+    _refused(excinfo, "pipeline_parallel_size=2", "tensor parallelism")
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
