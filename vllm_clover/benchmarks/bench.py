@@ -59,7 +59,10 @@ Output schema (``--output``)::
      "results": [{"method", "batch_size", "tokens_per_s", "mean_acceptance_length",
                   "acceptance_per_position", "speedup_vs_vanilla",
                   "tokens_per_s_runs", "speedup_vs_vanilla_runs", "num_speculative_tokens", "checkpoint",
-                  "draft_cost_vs_target_step", "acceptance_length_when_drafting", "env"}]}
+                  "draft_cost_vs_target_step", "acceptance_length_when_drafting", "env",
+                  "adaptive_runs" (the adaptive tree only: per repeat, the steps per "nodes+lookup"
+                  shape chosen at that batch size, "0+0" = no drafts, and the learnt
+                  plain_overhead_ms / row_overhead_ms)}]}
 
 ``tokens_per_s`` is the mean over repeats (``tokens_per_s_runs`` lists them, in repeat order;
 ``speedup_vs_vanilla_runs`` divides each by vanilla's run of the same repeat);
@@ -219,6 +222,7 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from vllm_clover.default_model import ensure_default_model
+    from vllm_clover.engine.options import ADAPTIVE, CloverOptions
 
     model = args.model or str(ensure_default_model(verbose=False))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -234,6 +238,7 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
     spec_config = llm.llm_engine.vllm_config.speculative_config
     k = None if spec_config is None else spec_config.num_speculative_tokens  # a tree's: its nodes
+    adaptive = clover and CloverOptions.from_vllm_config(llm.llm_engine.vllm_config).tree == ADAPTIVE
     rows = []
     for b in batch_sizes:
         if clover:
@@ -264,7 +269,17 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
                                                                       decode_steps),
                      "acceptance_length_when_drafting": 1 + accepted / drafts if drafts else 1.0,
                      "acceptance_per_position": [p / drafts for p in per_pos] if drafts else []})
+        if adaptive:
+            rows[-1]["adaptive"] = adaptive_record(llm.collective_rpc("clover_adaptive_state")[0], b)
     return rows
+
+
+def adaptive_record(state: dict, batch: int) -> dict:
+    """What the adaptive tree chose at ``batch`` (steps per heads nodes and lookup tokens, 0/0:
+    no drafts, cumulative over the engine's life) and the overheads it had learnt by then."""
+    return {"chosen": {f"{n}+{k}": c for b, n, k, c in state["chosen"] if b == batch},
+            "plain_overhead_ms": state["plain_overhead_ms"].get(str(batch)),
+            "row_overhead_ms": state["row_overhead_ms"].get(str(batch))}
 
 
 def tokens_per_decode_step(tokens: int, requests: int, accepted: int, drafts: int = 0,
@@ -307,6 +322,8 @@ def aggregate(runs: list[dict], methods: list[MethodSpec], default_k: int) -> li
                 "checkpoint": spec.path,
                 "env": dict(spec.env),
             })
+            if any("adaptive" in r for r in mine):
+                results[-1]["adaptive_runs"] = [r.get("adaptive") for r in mine]
     vanillas = {spec.env: spec.label for spec in methods if spec.name == "vanilla"}
     for r, spec in zip(results, result_specs):
         base_label = vanillas.get(spec.env, vanillas.get(()))

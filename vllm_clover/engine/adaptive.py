@@ -19,10 +19,12 @@ accepted tokens per second of the whole batch:
   calibration (vllm_clover/engine/calibration.py); ``draft(n)`` = the trunk over the
   accepted rows + one head step per depth over the nodes it expands, from the same
   calibration, scaled by the ratio of the proposer's measured drafting time to that
-  prediction (:class:`StepClock`); ``overhead`` = what a step costs beyond both (attention
-  over the context, sampling, the engine's bookkeeping), learnt per batch size from the
-  measured time between drafting calls.
-* Plain decoding (no drafts, the trunk skipped) makes ``B / (target(B) + overhead)``;
+  prediction (:class:`StepClock`); ``overhead(T)`` = what a step costs beyond both, learnt per
+  batch size from the measured time between drafting calls: a part plain steps pay too
+  (sampling, the engine's bookkeeping) plus a part per verify row beyond one per request
+  (attention over the context, tree attention, rejection). A plain step now and then at each
+  batch size (:meth:`AdaptiveTree.probe_plain`) keeps the first part measured.
+* Plain decoding (no drafts, the trunk skipped) makes ``B / (target(B) + overhead(B))``;
   speculation must beat it by :data:`SWITCH_MARGIN`. As the batch grows every verified row
   costs more and its expected gain stays the same, so trees shrink, then chains, then off.
 
@@ -72,6 +74,12 @@ DECAY = 0.995
 SWITCH_MARGIN = 0.03
 # The node order (best first) is recomputed from the estimates every this many steps.
 REORDER_EVERY = 16
+# After a drafting step, a gap between drafting calls past this (ms, and past 4x the step's
+# prediction) is an idle engine, not the step's overhead.
+IDLE_MS = 1500.0
+# A step without drafts at each batch size at least this many drafting calls apart measures
+# what plain decoding costs there (AdaptiveTree.probe_plain).
+PLAIN_PROBE_EVERY = 128
 
 
 # ============================================================================ the prior
@@ -233,42 +241,63 @@ def tree_of(paths: tuple[tuple[int, ...], ...]) -> StaticTree:
 
 # ============================================================================ the clock
 class StepClock:
-    """What the calibration does not price, learnt from the proposer's own clock: the step's
-    overhead per batch size (drafting steps and plain ones apart), and the ratio of measured to
-    predicted drafting time."""
+    """What the calibration does not price, learnt from the proposer's own clock, and the ratio of
+    measured to predicted drafting time.
+
+    A decode step costs ``target(T) + draft + overhead``. The overhead has a part every step pays
+    at a batch size B (sampling, scheduling, the engine's bookkeeping: ``plain_ms[B]``, learnt from
+    steps without drafts) and a part each verify row beyond one per request adds (attention over
+    the context, tree attention, KV compaction, rejection: ``row_ms[B]``, learnt from drafting
+    steps against ``plain_ms``). Both matter: charging plain decoding a drafting step's overhead
+    makes speculation look better the more rows it takes (docs/results/*-adaptive-quiet.md)."""
 
     ALPHA = 0.1
 
     def __init__(self) -> None:
-        self.overhead_ms: dict[tuple[bool, int], float] = {}
+        self.plain_ms: dict[int, float] = {}
+        self.row_ms: dict[int, float] = {}
         self.draft_ratio = 1.0
         self._last: tuple[float, float, bool] | None = None  # (start time s, draft ms, drafting)
 
-    def overhead(self, batch: int, drafting: bool) -> float:
-        """The learnt overhead (ms) for ``batch`` requests: the nearest batch size measured in
-        the same mode, else in the other mode, else 0."""
-        for mode in (drafting, not drafting):
-            known = [b for (m, b) in self.overhead_ms if m == mode]
-            if known:
-                nearest = min(known, key=lambda b: (abs(np.log(b / batch)), b))
-                return self.overhead_ms[(mode, nearest)]
-        return 0.0
+    @staticmethod
+    def _nearest(table: dict[int, float], batch: int) -> float | None:
+        if not table:
+            return None
+        return table[min(table, key=lambda b: (abs(np.log(b / batch)), b))]
 
-    def tick(self, now: float, batch: int, step_target_ms: float | None) -> None:
-        """A drafting call starts at ``now`` (s) after a step of ``batch`` requests whose target
-        pass the curve prices at ``step_target_ms`` (None: the step had prefill rows or is
-        otherwise not a decode step; not learnt from)."""
+    def overhead(self, batch: int, rows: Any = None) -> Any:
+        """The learnt overhead (ms) of a step of ``batch`` requests verifying ``rows`` tokens in
+        all (a number or an array; default ``batch``: plain decoding), from the nearest batch
+        size measured (0 where nothing is)."""
+        plain = self._nearest(self.plain_ms, batch) or 0.0
+        if rows is None:
+            return plain
+        per_row = self._nearest(self.row_ms, batch) or 0.0
+        return plain + per_row * np.maximum(np.asarray(rows, dtype=float) - batch, 0.0)
+
+    def tick(self, now: float, batch: int, tokens: int, step_target_ms: float | None) -> None:
+        """A drafting call starts at ``now`` (s) after a step of ``batch`` requests and ``tokens``
+        verify tokens whose target pass the curve prices at ``step_target_ms`` (None: the step had
+        prefill rows or is otherwise not a decode step; not learnt from)."""
         if self._last is not None and step_target_ms is not None:
             start, draft_ms, drafting = self._last
             cycle_ms = (now - start) * 1e3
             sample = cycle_ms - draft_ms - step_target_ms
-            # An idle engine (no request between two steps) is no step's overhead.
-            if -step_target_ms < sample < 4 * (step_target_ms + draft_ms) + 20:
-                key = (drafting, batch)
-                old = self.overhead_ms.get(key)
+            # An idle engine (no request between two steps) is no step's overhead. A drafting
+            # step far slower than its prediction is still a step (rows the model prices wrongly
+            # must be learnt): for those only a gap past IDLE_MS counts as idle.
+            bound = 4 * (step_target_ms + draft_ms) + 20
+            if -step_target_ms < sample < (max(bound, IDLE_MS) if drafting else bound):
                 sample = max(sample, 0.0)
-                self.overhead_ms[key] = sample if old is None else old + self.ALPHA * (sample - old)
+                if not drafting:
+                    self._learn(self.plain_ms, batch, sample)
+                elif tokens > batch and batch in self.plain_ms:
+                    self._learn(self.row_ms, batch, max(sample - self.plain_ms[batch], 0.0) / (tokens - batch))
         self._last = None
+
+    def _learn(self, table: dict[int, float], batch: int, sample: float) -> None:
+        old = table.get(batch)
+        table[batch] = sample if old is None else old + self.ALPHA * (sample - old)
 
     def drafted(self, start: float, draft_ms: float, predicted_ms: float | None) -> None:
         """The drafting call that began at ``start`` took ``draft_ms``; ``predicted_ms``: what
@@ -338,6 +367,9 @@ class AdaptiveTree:
     on: bool = False
     # Steps per (batch size, heads nodes, lookup tokens) chosen, (batch, 0, 0) = no speculation.
     chosen: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    # Per batch size, the call count at its last plain step taken to measure plain decoding.
+    plain_probe: dict[int, int] = field(default_factory=dict)
+    calls: int = 0
     _logged: set = field(default_factory=set)
 
     def refresh(self) -> NodeOrder:
@@ -377,6 +409,21 @@ class AdaptiveTree:
         self._log(batch, shape)
         return shape
 
+    def probe_plain(self, batch: int) -> bool:
+        """Whether this step should go without drafts to measure plain decoding at ``batch``
+        (StepClock.plain_ms): the first time a batch size runs, then every
+        :data:`PLAIN_PROBE_EVERY` calls, so that the comparison with plain decoding rests on a
+        measured cost. Costs one step's extra tokens that often."""
+        self.calls += 1
+        if self.forced:
+            return False
+        last = self.plain_probe.get(batch)
+        if last is not None and self.calls - last < PLAIN_PROBE_EVERY:
+            return False
+        self.plain_probe[batch] = self.calls
+        self.chosen[(batch, 0, 0)] = self.chosen.get((batch, 0, 0), 0) + 1
+        return True
+
     def could_pay(self, batch: int) -> bool:
         """Whether speculation could beat plain decoding at ``batch`` even if every request
         had a full prompt-lookup chain (if not, the chains need not be looked up)."""
@@ -410,9 +457,11 @@ class AdaptiveTree:
         tokens = batch * (1.0 + heads_gain)[:, None] + lookup_gain  # [N+1, Lmax+1]
         rows = batch * (1.0 + np.arange(len(heads_gain)))[:, None] + np.concatenate([[0.0], np.cumsum(a)])[None, :]
         draft = self.draft_ms(batch, tokens.mean(axis=1) / batch)  # [N+1]
-        rate = tokens / (self.curve.target(rows) + draft[:, None] + self.clock.overhead(batch, True))
+        rate = tokens / (self.curve.target(rows) + draft[:, None] + self.clock.overhead(batch, rows))
         rate[0, 0] = -np.inf  # nothing drafted is plain decoding, priced below
-        plain = batch / (self.curve.target(batch) + self.clock.overhead(batch, False))
+        # Past the calibrated tokens the cost is a guess: shapes there are never chosen.
+        rate[rows > max(self.curve.tokens[-1], batch)] = -np.inf
+        plain = batch / (self.curve.target(batch) + self.clock.overhead(batch))
         n, lookup = np.unravel_index(int(np.argmax(rate)), rate.shape)
         return int(n), int(lookup), float(rate[n, lookup]), float(plain), float(draft[n])
 
@@ -471,7 +520,7 @@ class AdaptiveDrafting:
         batch = len(req_ids)
         decode_only = scheduler_output.total_num_scheduled_tokens == batch + sum(len(v) for v in spec.values())
         target = self.tree.curve.target(scheduler_output.total_num_scheduled_tokens) if decode_only else None
-        self.tree.clock.tick(now, batch, target)
+        self.tree.clock.tick(now, batch, scheduler_output.total_num_scheduled_tokens, target)
         self.tree.stats.step()
         for i, req_id in enumerate(req_ids):
             p = self.pending.pop(req_id, None)
@@ -497,7 +546,9 @@ class AdaptiveDrafting:
         self.chains = []
         lead = is_first_rank()
         shape = OFF
-        if lead and not tree.could_pay(batch):
+        if lead and tree.probe_plain(batch):
+            pass  # OFF: a plain step, measured (StepClock.plain_ms)
+        elif lead and not tree.could_pay(batch):
             tree.on = False
             tree.chosen[(batch, 0, 0)] = tree.chosen.get((batch, 0, 0), 0) + 1
         elif lead:

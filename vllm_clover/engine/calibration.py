@@ -60,12 +60,16 @@ CURVE_VERSION = 1
 
 def interp(x: Any, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
     """Piecewise-linear through (xs, ys) at x (a number or an array), extended past the
-    last point with the last segment's slope (never falling) and below the first towards 0."""
+    last point with the steeper of the last segment's slope and the mean slope over the upper
+    half of the points (a last segment flattened by :func:`monotone` must not make rows past
+    the curve look free), and below the first towards 0."""
     x = np.asarray(x, dtype=np.float64)
     xs_, ys_ = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     out = np.interp(x, xs_, ys_)
     if len(xs_) > 1:
-        slope = max(0.0, (ys_[-1] - ys_[-2]) / (xs_[-1] - xs_[-2]))
+        mid = int(np.searchsorted(xs_, xs_[-1] / 2, side="right")) - 1
+        mid = min(max(mid, 0), len(xs_) - 2)
+        slope = max(0.0, (ys_[-1] - ys_[-2]) / (xs_[-1] - xs_[-2]), (ys_[-1] - ys_[mid]) / (xs_[-1] - xs_[mid]))
         out = np.where(x > xs_[-1], ys_[-1] + slope * (x - xs_[-1]), out)
     out = np.where(x < xs_[0], ys_[0] * np.clip(x, 0, None) / xs_[0], out)
     return out

@@ -309,7 +309,8 @@ class CloverWorkerExtension:
         tree = adaptive.tree
         return {"curve": json.loads(tree.curve.to_json()), "head_rates": tree.stats.head_rates().tolist(),
                 "lookup_rates": {s: tree.stats.lookup_rates(s).tolist() for s in tree.stats.lookup_trials},
-                "overhead_ms": {f"{'on' if m else 'off'}:{b}": v for (m, b), v in tree.clock.overhead_ms.items()},
+                "plain_overhead_ms": {str(b): v for b, v in sorted(tree.clock.plain_ms.items())},
+                "row_overhead_ms": {str(b): v for b, v in sorted(tree.clock.row_ms.items())},
                 "draft_ratio": tree.clock.draft_ratio, "steps": tree.steps,
                 "chosen": [[b, n, k, c] for (b, n, k), c in sorted(tree.chosen.items())]}
 

@@ -89,10 +89,44 @@ def test_overhead_makes_speculation_pay_more():
     """A large per-step overhead (learnt by the clock) favours speculation at a larger batch."""
     base = chooser(cpu_curve())
     heavy = chooser(cpu_curve())
-    for mode in (True, False):
-        heavy.clock.overhead_ms[(mode, 32)] = 60.0
+    heavy.clock.plain_ms[32] = 60.0
     assert not base.choose(32, [8] * 32, ["datastore"] * 32).on
     assert heavy.choose(32, [8] * 32, ["datastore"] * 32).on
+
+
+def test_a_cost_per_verify_row_turns_speculation_off():
+    """What each extra verify row costs beyond the calibration (attention over the context,
+    tree attention) is learnt from drafting steps against plain ones, and stops speculation
+    at a batch where the calibration alone says it pays."""
+    tree = chooser(cpu_curve())
+    b = 8
+    assert tree.choose(b, [8] * b, ["datastore"] * b).on
+    clock = tree.clock
+    # A plain step: 25.0 + 0.8 * 7 ms of target, 14 ms of overhead.
+    target = float(tree.curve.target(b))
+    clock.drafted(0.0, 0.1, None)
+    clock.tick((0.1 + target + 14.0) / 1e3, b, b, target)
+    # A drafting step over 48 rows: 2 ms per extra row on top of the 14 ms.
+    rows = 48
+    target = float(tree.curve.target(rows))
+    clock.drafted(1.0, 3.0, 3.0)
+    clock.tick(1.0 + (3.0 + target + 14.0 + 2.0 * (rows - b)) / 1e3, b, rows, target)
+    assert clock.plain_ms[b] == pytest.approx(14.0)
+    assert clock.row_ms[b] == pytest.approx(2.0)
+    assert clock.overhead(b, rows) == pytest.approx(14.0 + 80.0)
+    assert not tree.choose(b, [8] * b, ["datastore"] * b).on
+    assert tree.choose(1, [8], ["datastore"]).on  # batch 1 still pays (learnt at batch 8 only)
+
+
+def test_plain_steps_probe_each_batch_size_now_and_then():
+    from vllm_clover.engine.adaptive import PLAIN_PROBE_EVERY
+
+    tree = chooser(cpu_curve())
+    probes = [tree.probe_plain(4) for _ in range(2 * PLAIN_PROBE_EVERY)]
+    assert probes[0] and sum(probes) == 2
+    assert tree.probe_plain(2)  # a new batch size: measured at once
+    tree.forced = [(3, 0)]
+    assert not any(tree.probe_plain(16) for _ in range(3))  # forced shapes are never replaced
 
 
 def test_node_order_prefixes_are_trees():
@@ -143,13 +177,14 @@ def test_heads_prior_from_the_shipped_evaluation():
 
 def test_clock_learns_overhead_and_ignores_idle_gaps():
     clock = StepClock()
-    clock.drafted(0.0, 2.0, 2.0)
-    clock.tick(0.040, 1, 30.0)  # 40 ms cycle: 2 draft + 30 target -> 8 ms overhead
-    assert clock.overhead(1, True) == pytest.approx(8.0)
-    clock.drafted(1.0, 2.0, 2.0)
-    clock.tick(11.0, 1, 30.0)  # 10 s: the engine was idle
-    assert clock.overhead(1, True) == pytest.approx(8.0)
-    assert clock.overhead(4, False) == pytest.approx(8.0)  # nearest known, other mode
+    clock.drafted(0.0, 0.5, None)
+    clock.tick(0.040, 1, 1, 31.5)  # 40 ms plain cycle: 0.5 draft + 31.5 target -> 8 ms overhead
+    assert clock.overhead(1) == pytest.approx(8.0)
+    clock.drafted(1.0, 0.5, None)
+    clock.tick(11.0, 1, 1, 31.5)  # 10 s: the engine was idle
+    assert clock.overhead(1) == pytest.approx(8.0)
+    assert clock.overhead(4) == pytest.approx(8.0)  # nearest batch size known
+    assert clock.overhead(4, 12) == pytest.approx(8.0)  # no row cost learnt yet
 
 
 def test_forced_choices_cycle():
@@ -159,3 +194,25 @@ def test_forced_choices_cycle():
     assert not shapes[0].on
     assert shapes[1].tree.num_nodes == 3 and shapes[1].lookup == 2
     assert shapes[2].tree.num_nodes == 1 and shapes[2].lookup == 0
+
+
+def test_shapes_past_the_calibrated_tokens_are_never_chosen():
+    """The curve says nothing past its last point: at batch 32 a curve measured to 64 tokens
+    allows at most one extra row per request, and a flat last segment does not make rows free."""
+    tokens = [1, 8, 16, 32, 48, 64]
+    flat_end = CostCurve(tokens=tokens, target_ms=[20.0, 20.0, 26.0, 36.0, 56.0, 56.0], rows=list(ROW_GRID),
+                         head_ms=[0.1] * len(ROW_GRID), trunk_ms=[0.5] * len(ROW_GRID))
+    assert flat_end.target(128) > 56.0 + 0.5 * (128 - 64)  # the upper half's slope, not the last 0
+    tree = chooser(flat_end)
+    tree.clock.plain_ms[32] = 60.0  # a large overhead: speculation would pay if rows were free
+    shape = tree.choose(32, [8] * 32, ["datastore"] * 32)
+    assert rows_of(shape, 32, 8) <= 64
+
+
+def test_a_slow_drafting_step_is_learnt_not_taken_for_idle():
+    clock = StepClock()
+    clock.drafted(0.0, 0.1, None)
+    clock.tick(0.050, 8, 8, 30.0)  # plain: 50 - 0.1 - 30 = 19.9 ms overhead
+    clock.drafted(1.0, 2.0, 2.0)
+    clock.tick(1.0 + 0.900, 8, 108, 60.0)  # a drafting step 15x its prediction
+    assert clock.row_ms[8] == pytest.approx((900 - 2.0 - 60.0 - 19.9) / 100)
