@@ -421,8 +421,12 @@ class AdaptiveTree:
         if last is not None and self.calls - last < PLAIN_PROBE_EVERY:
             return False
         self.plain_probe[batch] = self.calls
-        self.chosen[(batch, 0, 0)] = self.chosen.get((batch, 0, 0), 0) + 1
+        self.count(batch, 0, 0)
         return True
+
+    def count(self, batch: int, nodes: int, lookup: int) -> None:
+        """One more step of (``nodes`` heads nodes, ``lookup`` tokens) at ``batch`` (0, 0: no drafts)."""
+        self.chosen[(batch, nodes, lookup)] = self.chosen.get((batch, nodes, lookup), 0) + 1
 
     def could_pay(self, batch: int) -> bool:
         """Whether speculation could beat plain decoding at ``batch`` even if every request
@@ -468,8 +472,7 @@ class AdaptiveTree:
     def _log(self, batch: int, shape: Shape) -> None:
         """Count the choice; log it once per (batch size, choice)."""
         label = (batch, shape.on, shape.tree.num_nodes if shape.tree is not None else 0, shape.lookup)
-        count = (batch, label[2], shape.lookup)
-        self.chosen[count] = self.chosen.get(count, 0) + 1
+        self.count(batch, label[2], shape.lookup)
         if label in self._logged or len(self._logged) > 256:
             return
         self._logged.add(label)
@@ -512,6 +515,7 @@ class AdaptiveDrafting:
         self.chains: list[tuple[list[int], str]] = []  # this step's, by batch row
         self.shape: Shape = OFF
         self.parallel = tp_group() is not None  # several tensor-parallel ranks
+        self.lead = is_first_rank()  # the rank that chooses (every rank with one)
 
     def begin(self, now: float, req_ids: Sequence[str], scheduler_output: Any,
               sampled_token_ids: Sequence[Sequence[int]]) -> None:
@@ -544,13 +548,13 @@ class AdaptiveDrafting:
         batch = len(req_ids)
         tree = self.tree
         self.chains = []
-        lead = is_first_rank()
+        lead = self.lead
         shape = OFF
         if lead and tree.probe_plain(batch):
             pass  # OFF: a plain step, measured (StepClock.plain_ms)
         elif lead and not tree.could_pay(batch):
             tree.on = False
-            tree.chosen[(batch, 0, 0)] = tree.chosen.get((batch, 0, 0), 0) + 1
+            tree.count(batch, 0, 0)
         elif lead:
             self._look_up(batch, committed, chain_ok, retrieve)
             shape = tree.choose(batch, [len(c) for c, _ in self.chains], [s for _, s in self.chains])

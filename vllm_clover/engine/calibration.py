@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from vllm_clover.engine.vocab_parallel import from_first_rank, is_first_rank
+from vllm_clover.engine.vocab_parallel import from_first_rank, is_first_rank, tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +283,6 @@ def calibrate(runner: Any, drafter: Any) -> CostCurve:
 
 def first_rank_curve(curve: CostCurve | None) -> CostCurve:
     """Tensor-parallel rank 0's ``curve`` on every rank (``curve`` itself with one rank)."""
-    from vllm_clover.engine.vocab_parallel import tp_group
-
     group = tp_group()
     if group is None:
         return curve
