@@ -12,7 +12,8 @@ first that holds wins:
                the float32 linear kernel on (``VLLM_CLOVER_CPU_LINEAR`` not ``0``)
   avx512       AVX-512 otherwise (the kernel off, or bf16 without AMX)
 
-Every CPU row serves the adaptive tree (:data:`ADAPTIVE_OPTIONS`: each step's tree, lookup
+The GPU row serves the adaptive chain (:data:`ADAPTIVE_CHAIN_OPTIONS`: the same choice over
+chains that vLLM verifies itself). Every CPU row serves the adaptive tree (:data:`ADAPTIVE_OPTIONS`: each step's tree, lookup
 tokens and rows per request from the costs measured at start-up and the acceptance observed,
 engine/adaptive.py), with the 4,096-token draft vocabulary and the shipped n-gram datastore
 (docs/datastore.md). Each CPU row keeps, as ``fixed``, the fixed options measured best for
@@ -34,12 +35,19 @@ from vllm_clover.cpu import env as cpu_env
 ADAPTIVE_OPTIONS = {"tree": "adaptive", "prompt_lookup_tokens": 16, "draft_vocab_size": 4096,
                     "datastore": "datastore.npz"}
 
+# The GPU default: the same chooser over the heads' top-1 chain (no lookup tokens, which need tree
+# verification), so each step drafts 0..K tokens that vLLM's own sampler verifies.
+ADAPTIVE_CHAIN_OPTIONS = {"adaptive_chain": True, "draft_vocab_size": 4096}
+
 SERVE_DEFAULTS: dict[str, dict] = {
     "gpu": {
-        "options": {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3},
-        "why": "chain K=2: tree verification (which the adaptive tree drafts for) has not run inside "
-               "vLLM's GPU build, needs --enforce-eager and a 16-bit dtype there; the default model is float32",
-        "evidence": "not measured on a GPU",
+        "options": ADAPTIVE_CHAIN_OPTIONS,
+        "why": "adaptive chain: the same cost model picks each step's chain (0 to 5 heads tokens) from the "
+               "costs measured at start-up; vLLM verifies chains itself (CUDA graphs, any dtype), while tree "
+               "verification has not run inside vLLM's GPU build and needs --enforce-eager and a 16-bit dtype",
+        "evidence": "not measured on a GPU (vllm_clover/benchmarks/gpu_check.sh)",
+        "fixed": {"num_speculative_tokens": 2, "draft_vocab_size": 4096, "disable_by_batch_size": 3},
+        "fixed_evidence": "not measured on a GPU",
     },
     "amx_bf16": {
         "options": ADAPTIVE_OPTIONS,

@@ -97,3 +97,34 @@ def test_adaptive_default_is_lossless_with_forced_shape_changes(default_model_di
     finally:
         shutdown_llm(llm)
     assert cached[0].stat().st_mtime_ns == stamp  # reused, not measured again
+
+
+def test_adaptive_chain_is_lossless_and_drafts_chains(default_model_dir, clover_ckpt_dir, reference, tmp_path,
+                                                      monkeypatch):
+    """The GPU serve default (serve_defaults.ADAPTIVE_CHAIN_OPTIONS) on the CPU: chosen chain
+    lengths, then lengths forced to change every step (off, 1..5, lookup-only shapes as no
+    drafts), token-identical to plain vLLM, with drafts accepted by vLLM's own sampler."""
+    from vllm import LLM
+
+    from vllm_clover.benchmarks.bench import _spec_counters
+    from vllm_clover.model.draft_vocab import DRAFT_VOCAB_FILE
+    from vllm_clover.serve_defaults import ADAPTIVE_CHAIN_OPTIONS
+
+    monkeypatch.setenv("VLLM_CLOVER_CACHE", str(tmp_path))
+    prompts, expected = reference
+    options = {k: v for k, v in ADAPTIVE_CHAIN_OPTIONS.items() if k != "draft_vocab_size"
+               or (clover_ckpt_dir / DRAFT_VOCAB_FILE).is_file()}
+    extension = {"worker_extension_cls": "vllm_clover.engine.runner_hooks.CloverWorkerExtension"}
+    llm = LLM(model=str(default_model_dir), max_num_seqs=16,
+              speculative_config={"method": "clover", "model": str(clover_ckpt_dir), **options},
+              **COMMON, **extension)
+    try:
+        assert _generate(llm, prompts, 1) == expected, "chosen chains, batch 1"
+        state = llm.collective_rpc("clover_adaptive_state")[0]
+        assert all(k == 0 for _, _, k, _ in state["chosen"])  # never a lookup token
+        assert llm.collective_rpc("clover_adaptive_force", args=(FORCED,)) == [len(FORCED)]
+        for batch in (1, len(prompts)):
+            assert _generate(llm, prompts, batch) == expected, f"forced chains, batch {batch}"
+        assert _spec_counters(llm)["accepted"] > 0
+    finally:
+        shutdown_llm(llm)

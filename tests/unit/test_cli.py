@@ -111,7 +111,7 @@ def test_serve_default_on_gpu_drafts_chains(default_with_heads, monkeypatch) -> 
     argv = cli.serve_argv(None, "h", 1, [])
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
     assert spec == {"method": "clover", "model": str(default_with_heads), **OPTIONS["gpu"]}
-    assert "tree" not in spec
+    assert "tree" not in spec and spec["adaptive_chain"] is True
 
 
 def test_every_serve_default_names_its_reason_and_evidence() -> None:
@@ -119,8 +119,12 @@ def test_every_serve_default_names_its_reason_and_evidence() -> None:
         assert set(row) - {"fixed", "fixed_evidence"} == {"options", "why", "evidence"}, case
         assert row["why"] and row["evidence"], case
         assert row["options"]["draft_vocab_size"] == 4096
-        # The adaptive tree backs off by itself; the fixed presets stop drafting from 3 requests.
-        assert (row["options"].get("tree") == "adaptive") == ("disable_by_batch_size" not in row["options"])
+        # Every default is adaptive (the tree on CPUs, the chain on a GPU) and backs off by itself;
+        # the fixed presets stop drafting from 3 requests.
+        options = row["options"]
+        assert (options.get("tree") == "adaptive") != bool(options.get("adaptive_chain")), case
+        assert (case == "gpu") == bool(options.get("adaptive_chain")), case
+        assert "disable_by_batch_size" not in options, case
         if "fixed" in row:
             assert row["fixed"]["disable_by_batch_size"] == 3 and row["fixed_evidence"], case
         # Evidence paths are written without the results file's date: each names exactly one file.

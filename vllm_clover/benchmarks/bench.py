@@ -222,7 +222,7 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from vllm_clover.default_model import ensure_default_model
-    from vllm_clover.engine.options import ADAPTIVE, CloverOptions
+    from vllm_clover.engine.options import CloverOptions
 
     model = args.model or str(ensure_default_model(verbose=False))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -238,7 +238,7 @@ def run_method(args: argparse.Namespace, spec: MethodSpec) -> list[dict]:
     llm.generate(prompts[:max(batch_sizes)], SamplingParams(max_tokens=16), use_tqdm=False)
     spec_config = llm.llm_engine.vllm_config.speculative_config
     k = None if spec_config is None else spec_config.num_speculative_tokens  # a tree's: its nodes
-    adaptive = clover and CloverOptions.from_vllm_config(llm.llm_engine.vllm_config).tree == ADAPTIVE
+    adaptive = clover and CloverOptions.from_vllm_config(llm.llm_engine.vllm_config).adaptive
     rows = []
     for b in batch_sizes:
         if clover:

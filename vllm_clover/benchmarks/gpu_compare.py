@@ -1,8 +1,9 @@
-"""Stage 2 of the GPU check (gpu_check.sh): plain vLLM against Clover chain against Clover tree
-on one CUDA GPU, with the default model and the shipped heads.
+"""Stage 2 of the GPU check (gpu_check.sh): plain vLLM against Clover chain, the adaptive chain
+(the GPU serve default, serve_defaults.ADAPTIVE_CHAIN_OPTIONS) and Clover tree on one CUDA GPU,
+with the default model and the shipped heads.
 
-* float32, greedy: Clover chain must be token-identical to plain vLLM (the losslessness
-  claim). A tree in float32 is refused on a GPU (FlashAttention has no float32 kernels;
+* float32, greedy: Clover chain and the adaptive chain must be token-identical to plain vLLM
+  (the losslessness claim). A tree in float32 is refused on a GPU (FlashAttention has no float32 kernels;
   ``frontend.refuse_unsupported``), so the tree is not part of this comparison.
 * bfloat16: output tokens per second of each method at batch 1 (one prompt at a time, as the
   README's results), the mean accepted length (1 + accepted / drafts, vLLM's counters), and for
@@ -98,19 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
 
     from vllm_clover.default_model import ensure_default_model
+    from vllm_clover.serve_defaults import ADAPTIVE_CHAIN_OPTIONS
     from vllm_clover.training.train import shipped_heads_dir
 
     model, heads = str(ensure_default_model()), str(shipped_heads_dir())
     chain = {"method": "clover", "model": heads, "num_speculative_tokens": 2}
     tree = {"method": "clover", "model": heads, "tree": TREE}
+    adaptive = {"method": "clover", "model": heads, **ADAPTIVE_CHAIN_OPTIONS}
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__,
                               "prompts": len(PROMPTS), "max_tokens": args.max_tokens}
     plain32 = _run(model, "float32", None, args.max_tokens, eager=True)
     chain32 = _run(model, "float32", chain, args.max_tokens, eager=True)
     report["float32_chain_identical"] = chain32["outputs"] == plain32["outputs"]
+    adaptive32 = _run(model, "float32", adaptive, args.max_tokens, eager=True)
+    report["float32_adaptive_chain_identical"] = adaptive32["outputs"] == plain32["outputs"]
     report["float32_tree"] = "refused on GPU (FlashAttention has no float32 kernels)"
     bf16 = {}
-    for name, spec in (("plain", None), ("chain", chain), ("tree", tree)):
+    for name, spec in (("plain", None), ("chain", chain), ("adaptive_chain", adaptive), ("tree", tree)):
         bf16[name] = _run(model, "bfloat16", spec, args.max_tokens, eager=args.eager)
     report["bfloat16"] = {
         name: {"tokens_per_s": round(r["tokens_per_s"], 1), "accepted_length": r["accepted_length"],
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0 if report["float32_chain_identical"] else 1
+    return 0 if report["float32_chain_identical"] and report["float32_adaptive_chain_identical"] else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ accepted tokens per second of the whole batch:
   speculation must beat it by :data:`SWITCH_MARGIN`. As the batch grows every verified row
   costs more and its expected gain stays the same, so trees shrink, then chains, then off.
 
+With the option ``adaptive_chain`` the candidates are the heads' top-1 chain only
+(:data:`CHAIN_RANKS`) and no lookup tokens: each step drafts a chain of 0..K tokens that vLLM's
+own rejection sampler verifies, so the same choice runs where tree verification cannot (CUDA
+graphs, any dtype; the GPU serve default).
+
 Nothing in it is CPU-specific: a flat (GPU-like) cost curve makes large trees pay, a steep
 (CPU-like) one small trees; tests/unit/engine/test_adaptive.py checks both on synthetic curves.
 Estimates start from the checkpoint's held-out evaluation (``eval_*.json`` beside the heads,
@@ -56,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 # Children considered per depth (depth 1 first): the candidates the adaptive tree picks from.
 RANKS = (4, 3, 2, 2, 2, 1, 1, 1)
+# The chain's candidates (option ``adaptive_chain``): the top-1 child at every depth, so each
+# choice is a chain of 0..K heads tokens that vLLM's own sampler verifies.
+CHAIN_RANKS = (1,)
 # Prior acceptance where the checkpoint has no held-out evaluation: head d's top-1 given the
 # path to it was accepted (the shipped heads' evaluation gives 0.42-0.52, eval_selfdistill*.json).
 DEFAULT_HEAD_ACCEPTANCE = 0.45
@@ -198,14 +206,15 @@ class NodeOrder:
     expanded: np.ndarray                 # [N+1, D]: nodes of depth d expanded by the first n
 
 
-def node_order(q: np.ndarray, max_nodes: int) -> NodeOrder:
-    """Best-first search over the top-k candidates (:data:`RANKS`) by path probability, a
+def node_order(q: np.ndarray, max_nodes: int, ranks: Sequence[int] = RANKS) -> NodeOrder:
+    """Best-first search over the top-k candidates (``ranks`` per depth, :data:`RANKS`; all 1:
+    the top-1 chain) by path probability, a
     child's value never exceeding its parent's, so every prefix of the order is
     ancestor-closed and, q being non-increasing in rank, rank-contiguous."""
     depth = q.shape[0]
     counter = 0
     heap: list[tuple[float, int, tuple[int, ...]]] = []
-    for k in range(min(RANKS[0], q.shape[1])):
+    for k in range(min(ranks[0], q.shape[1])):
         heapq.heappush(heap, (-float(q[0, k]), counter, (k,)))
         counter += 1
     paths, values = [], []
@@ -215,7 +224,7 @@ def node_order(q: np.ndarray, max_nodes: int) -> NodeOrder:
         values.append(-neg)
         d = len(path)
         if d < depth:
-            for k in range(min(RANKS[d] if d < len(RANKS) else 1, q.shape[1])):
+            for k in range(min(ranks[d] if d < len(ranks) else 1, q.shape[1])):
                 heapq.heappush(heap, (neg * float(q[d, k]), counter, path + (k,)))
                 counter += 1
     n = len(paths)
@@ -359,6 +368,8 @@ class AdaptiveTree:
     stats: AcceptanceStats
     max_nodes: int
     max_lookup: int
+    # Candidates per depth (CHAIN_RANKS: the top-1 chain only, ``adaptive_chain``).
+    ranks: tuple[int, ...] = RANKS
     order: NodeOrder | None = None
     clock: StepClock = field(default_factory=StepClock)
     # Test hook (CloverWorkerExtension.clover_adaptive_force): (nodes, lookup) per step, cycled.
@@ -375,7 +386,7 @@ class AdaptiveTree:
     def refresh(self) -> NodeOrder:
         """The node order, recomputed every :data:`REORDER_EVERY` steps."""
         if self.order is None or self.steps % REORDER_EVERY == 0:
-            self.order = node_order(self.stats.head_rates(), self.max_nodes)
+            self.order = node_order(self.stats.head_rates(), self.max_nodes, self.ranks)
         return self.order
 
     def draft_ms(self, batch: int, accepted: np.ndarray) -> np.ndarray:
@@ -394,10 +405,10 @@ class AdaptiveTree:
         heads_gain = order.depth_mass.sum(axis=1)  # [N+1]: expected accepted heads tokens
         if self.forced:
             n, lookup = self.forced[(self.steps - 1) % len(self.forced)]
-            n = min(n, len(order.paths))
+            n, lookup = min(n, len(order.paths)), min(lookup, self.max_lookup)
             if n == 0 and lookup == 0:
                 return OFF
-            return Shape(tree=tree_of(order.paths[:n]) if n else None, lookup=min(lookup, self.max_lookup),
+            return Shape(tree=tree_of(order.paths[:n]) if n else None, lookup=lookup,
                          on=True, predicted_draft_ms=float(self.draft_ms(batch, 1.0 + heads_gain)[n]))
         n, lookup, best, plain, draft = self._best(batch, chain_lens, sources, heads_gain)
         self.on = best > plain * (1.0 + SWITCH_MARGIN)

@@ -103,6 +103,11 @@ class CloverOptions:
         "step's tree, lookup tokens and rows per request, or no speculation, chosen from the costs measured "
         "at start-up and the acceptance observed (docs/adaptive.md; the `vllm-clover serve` default) "
         "(docs/tree-verification.md)", shown="unset (chain)", type_shown="str | list[list[int]]")
+    adaptive_chain: bool = _option(
+        False, "chain drafting whose length per step, from 0 (no drafts) up to `num_speculative_tokens`, is "
+        'chosen like the `"adaptive"` tree\'s shape, from the costs measured at start-up and the acceptance '
+        "observed; vLLM verifies each chain itself, so it runs where tree verification does not (CUDA graphs, "
+        "any dtype); the GPU serve default (docs/adaptive.md). Not with `tree`")
     tree_token_budget: int = _option(
         help="verify tokens a step may spend on trees, B * (N + 1); trees shrink to chains as the "
         "batch grows", factory=default_tree_token_budget,
@@ -162,6 +167,7 @@ class CloverOptions:
         if disable_at is not None:
             values["disable_by_batch_size"] = positive_int(disable_at, "disable_by_batch_size")
         values.update(_tree_fields(tree_option(spec.pop("tree", None), config.num_heads), config.num_heads))
+        values["adaptive_chain"] = adaptive_chain_option(spec.pop("adaptive_chain", False), values["tree"])
         values["tree_token_budget"] = positive_int(
             spec.pop("tree_token_budget", default_tree_token_budget()), "tree_token_budget")
         values["dynamic_tree_nodes"] = positive_int(
@@ -198,6 +204,11 @@ class CloverOptions:
         return cls.from_dict(stored)
 
     # ------------------------------------------------------------------ readers
+    @property
+    def adaptive(self) -> bool:
+        """Whether each step's drafts are chosen from measured costs (the adaptive tree or chain)."""
+        return self.tree == ADAPTIVE or self.adaptive_chain
+
     def drafting_tree(self) -> Any:
         """The configured tree: a ``tree.StaticTree``, ``DYNAMIC``, ``ADAPTIVE``, or None (chain drafting)."""
         if self.tree is None:
@@ -234,6 +245,16 @@ def positive_int(value: Any, name: str) -> int:
     take, B * (N + 1); ``dynamic_tree_nodes``: nodes per dynamic tree; ``disable_by_batch_size``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CloverSpecError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def adaptive_chain_option(value: Any, tree: Any) -> bool:
+    """The ``adaptive_chain`` option; ``tree``: the tree field (it drafts chains, so no tree)."""
+    if not isinstance(value, bool):
+        raise CloverSpecError(f"adaptive_chain must be true or false, got {value!r}")
+    if value and tree is not None:
+        raise CloverSpecError("adaptive_chain drafts chains and cannot take a tree: leave out tree, or use "
+                              "tree \"adaptive\" for trees chosen per step")
     return value
 
 

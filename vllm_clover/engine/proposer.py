@@ -340,8 +340,8 @@ class CloverProposer(MedusaProposer):
             # entries there: lower acceptance for those requests, never a wrong output.
             self.tree_drafts = {}
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
-        if self.tree == ADAPTIVE and not self._adaptive_plan(runner).on:
-            # The adaptive tree found no shape that beats plain decoding at this batch: as above.
+        if self.options.adaptive and not self._adaptive_plan(runner).on:
+            # The adaptive tree (or chain) found no shape that beats plain decoding here: as above.
             self.tree_drafts = {}
             return torch.zeros((b, 0), dtype=torch.long, device=x.device), None
         positions = runner.positions[:n]
@@ -367,6 +367,8 @@ class CloverProposer(MedusaProposer):
             if drafted is not None:
                 return drafted, None
             k = self._chain_length(b, k)  # the batch is too large for a tree: a chain
+        elif self.adaptive is not None:
+            k = min(k, self.adaptive.shape.tree.max_depth)  # adaptive_chain: this step's chain
         self.tree_drafts = {}
         drafts, probs = self._draft(z_last, first, k, sampling_metadata, b)
         if self.adaptive is not None:
@@ -527,16 +529,21 @@ class CloverProposer(MedusaProposer):
         """With the adaptive tree: the cost curve of this engine (measured now, or cached) and
         the chooser built on it (engine/calibration.py, engine/adaptive.py). Called after vLLM's
         warm-up (patch ``worker-calibrate-after-warm-up``)."""
-        if self.tree != ADAPTIVE or self.adaptive is not None:
+        if not self.options.adaptive or self.adaptive is not None:
             return
-        from vllm_clover.engine.adaptive import AcceptanceStats, AdaptiveDrafting, AdaptiveTree, heads_prior
+        from vllm_clover.engine.adaptive import (CHAIN_RANKS, RANKS, AcceptanceStats, AdaptiveDrafting,
+                                                 AdaptiveTree, heads_prior)
         from vllm_clover.engine.calibration import calibrate
 
         o = self.options
         curve = calibrate(runner, self)
         prior = heads_prior(o.checkpoint, self.model.config.num_heads, o.draft_vocab_size)
-        tree = AdaptiveTree(curve=curve, stats=AcceptanceStats(prior, o.prompt_lookup_tokens),
-                            max_nodes=o.adaptive_max_nodes, max_lookup=o.prompt_lookup_tokens)
+        if o.adaptive_chain:  # chains of up to K heads tokens, no lookup (verified by vLLM)
+            nodes, lookup, ranks = min(self.num_speculative_tokens, self.model.config.num_heads), 0, CHAIN_RANKS
+        else:
+            nodes, lookup, ranks = o.adaptive_max_nodes, o.prompt_lookup_tokens, RANKS
+        tree = AdaptiveTree(curve=curve, stats=AcceptanceStats(prior, lookup), max_nodes=nodes,
+                            max_lookup=lookup, ranks=ranks)
         self.adaptive = AdaptiveDrafting(tree)
 
     def _retrieve(self, committed: np.ndarray, k: int) -> np.ndarray:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_clover.engine.adaptive import (AcceptanceStats, AdaptiveTree, StepClock, children_lists, heads_prior,
+from vllm_clover.engine.adaptive import (CHAIN_RANKS, AcceptanceStats, AdaptiveTree, StepClock, children_lists, heads_prior,
                                          node_order, tree_of)
 from vllm_clover.engine.calibration import CostCurve, TOKEN_GRID, ROW_GRID
 
@@ -32,6 +32,12 @@ def gpu_curve() -> CostCurve:
 def chooser(curve: CostCurve, max_nodes: int = 16, max_lookup: int = 8) -> AdaptiveTree:
     stats = AcceptanceStats([0.5, 0.45, 0.45, 0.45, 0.45], max_lookup)
     return AdaptiveTree(curve=curve, stats=stats, max_nodes=max_nodes, max_lookup=max_lookup)
+
+
+def chain_chooser(curve: CostCurve, k: int = 5) -> AdaptiveTree:
+    """The ``adaptive_chain`` chooser: the heads' top-1 chain of up to k tokens, no lookup."""
+    stats = AcceptanceStats([0.5, 0.45, 0.45, 0.45, 0.45], 0)
+    return AdaptiveTree(curve=curve, stats=stats, max_nodes=k, max_lookup=0, ranks=CHAIN_RANKS)
 
 
 def rows_of(shape, batch: int, chain: int) -> int:
@@ -216,3 +222,32 @@ def test_a_slow_drafting_step_is_learnt_not_taken_for_idle():
     clock.drafted(1.0, 2.0, 2.0)
     clock.tick(1.0 + 0.900, 8, 108, 60.0)  # a drafting step 15x its prediction
     assert clock.row_ms[8] == pytest.approx((900 - 2.0 - 60.0 - 19.9) / 100)
+
+
+def test_adaptive_chain_chooses_chains_only():
+    """With CHAIN_RANKS every candidate is the top-1 chain: each choice is a chain (n nodes, n
+    deep) and no lookup tokens; the flat curve still drafts a chain at batch 32, under its knee,
+    the CPU-like one shortens it as the batch grows and drafts nothing at batch 32."""
+    gpu, cpu = chain_chooser(gpu_curve()), chain_chooser(cpu_curve())
+    for tree in (gpu, cpu):
+        assert tree.refresh().paths == tuple((0,) * d for d in range(1, 6))
+    flat = gpu.choose(32, [0] * 32, ["prompt"] * 32)
+    assert flat.on and flat.lookup == 0 and flat.tree.num_nodes == flat.tree.max_depth >= 2
+    assert rows_of(flat, 32, 0) <= 128
+    depths = []
+    for b in (1, 2, 4, 8, 16, 32):
+        shape = cpu.choose(b, [0] * b, ["prompt"] * b)
+        assert shape.lookup == 0
+        depths.append(shape.tree.max_depth if shape.on else 0)
+        if shape.on:
+            assert shape.tree.num_nodes == shape.tree.max_depth
+    assert depths == sorted(depths, reverse=True) and depths[0] >= 2 and depths[-1] == 0
+
+
+def test_adaptive_chain_forced_lookup_is_no_drafts():
+    """A forced shape with lookup tokens only is no speculation for the chain (it has no lookup)."""
+    tree = chain_chooser(cpu_curve())
+    tree.forced = [(0, 5), (3, 2)]
+    assert not tree.choose(1, [0], ["prompt"]).on
+    shape = tree.choose(1, [0], ["prompt"])
+    assert shape.on and shape.lookup == 0 and shape.tree.num_nodes == 3

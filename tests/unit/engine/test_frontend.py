@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_clover.model.checkpoint import CloverCheckpointError
-from vllm_clover.engine.options import TREE_TOKEN_BUDGET, CloverSpecError
+from vllm_clover.engine.options import TREE_TOKEN_BUDGET, CloverOptions, CloverSpecError
 
 
 def _engine_config(model_dir: Path, spec: dict, **kw):
@@ -195,6 +195,22 @@ def test_unknown_clover_option_value(default_model_dir, clover_ckpt_dir) -> None
         _engine_config(default_model_dir, {"method": "clover", "model": str(clover_ckpt_dir),
                                            "draft_sampling": "beam"})
     _one_line_error(excinfo, "draft_sampling='beam'")
+
+
+def test_adaptive_chain_option(default_model_dir, clover_ckpt_dir) -> None:
+    """adaptive_chain is chain drafting sized by the heads; a tree beside it, or a value that is
+    not a boolean, is one line naming the fix."""
+    base = {"method": "clover", "model": str(clover_ckpt_dir)}
+    _, config = _engine_config(default_model_dir, {**base, "adaptive_chain": True})
+    options = CloverOptions.from_vllm_config(config)
+    assert options.adaptive_chain and options.adaptive and options.tree is None
+    assert config.speculative_config.num_speculative_tokens == options.checkpoint_num_heads
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {**base, "adaptive_chain": True, "tree": "small_4"})
+    _one_line_error(excinfo, "adaptive_chain", "tree")
+    with pytest.raises(CloverSpecError) as excinfo:
+        _engine_config(default_model_dir, {**base, "adaptive_chain": "yes"})
+    _one_line_error(excinfo, "adaptive_chain must be true or false")
 
 
 def test_draft_dtype_option_errors(default_model_dir, clover_ckpt_dir, monkeypatch) -> None:
