@@ -14,7 +14,8 @@ The target runs eager, as ``vllm-clover bench`` runs it (``--no-enforce-eager``:
 In process, the model's OpenMP threads get every core, as the multiprocess engine's worker
 does on machines with at most 2 CPUs (``cpu_env.with_worker_cores``); on larger ones vLLM
 keeps a core for its EngineCore (docs/cpu-defaults.md). Prompts are answered one at a time
-(batch 1, greedy; ``--batch-size B``: B copies of each prompt at once) after one warm-up request.
+(batch 1, greedy; ``--batch-size B``: B copies of each prompt at once, or with ``--prompts`` B
+distinct prompts of a bench prompt set at once) after one warm-up request.
 Prints ms per engine step for each timer. Numbers vary 10-20% between runs on a shared
 2-core machine: compare configurations run back to back.
 """
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="compile the target (vLLM's default); eager by default, as the bench runs")
     ap.add_argument("--batch-size", type=int, default=1,
                     help="requests per generate call (the prompts repeated; 1 = one at a time)")
+    ap.add_argument("--prompts", default="",
+                    help="a prompt set of `vllm-clover bench` (e.g. mtbench): its first --num-prompts "
+                         "prompts in groups of --batch-size distinct requests, as the bench runs them "
+                         "(default: the three built-in prompts, each repeated --batch-size times)")
+    ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--top-ops", type=int, default=0,
                     help="also run torch.profiler over the timed requests and print the N "
                          "operators with the most self CPU time (slower: profiling overhead)")
@@ -122,17 +128,23 @@ def main(argv: list[str] | None = None) -> None:
     calls: collections.Counter = collections.Counter()
     install_timers(totals, calls)
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in PROMPTS]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)  # warm-up
+    if args.prompts:
+        from vllm_clover.benchmarks.bench import load_prompts, render_prompts
+
+        rendered = render_prompts(load_prompts(args.prompts, args.num_prompts)[0], tokenizer)
+        groups = [rendered[i:i + args.batch_size] for i in range(0, len(rendered), args.batch_size)]
+    else:
+        groups = [[tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                 add_generation_prompt=True)] * args.batch_size for q in PROMPTS]
+    llm.generate(groups[0][:1], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)  # warm-up
     totals.clear()
     calls.clear()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     profiler = _op_profiler(args.top_ops)
     t0, tokens = time.perf_counter(), 0
     with profiler:
-        for prompt in prompts:
-            outs = llm.generate([prompt] * args.batch_size, params, use_tqdm=False)
+        for group in groups:
+            outs = llm.generate(group, params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     steps = max(1, calls["sample + draft"])

@@ -31,6 +31,11 @@ which is published before sampling and taken while drafting, and attaches
 uses it for the aggregate stats and corrects each tree request's per-request metrics right
 after vLLM observed the step. The rollback of rejected drafts keeps vLLM's node count.
 Patch: ``spec-decode-metrics-by-tree-depth`` (vllm_clover/patches/metrics.py).
+
+The same two wrappers carry one more fact of the step: whether its proposer drafted anything
+(:data:`DRAFTED_ATTR`, set only when it drafted nothing, e.g. the adaptive choice was no
+speculation). The scheduler records it (:data:`SCHEDULER_DRAFTED`) and the EngineCore then skips
+its draft fetch (patch ``engine-no-draft-fetch-when-drafting-off``, runner_hooks.wrap_post_step).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ from typing import Any, Callable, Mapping, Sequence
 DEPTHS_ATTR = "clover_tree_depths"
 # Attribute of the Scheduler holding those depths while it processes the step's output.
 _SCHEDULER_DEPTHS = "_clover_tree_depths"
+# Attribute of a ModelRunnerOutput whose step's proposer drafted nothing (False; absent otherwise),
+# and of the Scheduler: the last output's value (True where unmarked: drafts may exist).
+DRAFTED_ATTR = "clover_drafted"
+SCHEDULER_DRAFTED = "_clover_step_drafted"
 
 
 # ============================================================================ tree depths
@@ -106,19 +115,25 @@ class DepthReporter:
         @functools.wraps(orig)
         def sample_tokens(self: Any, grammar_output: Any) -> Any:
             runner = getattr(self, "model_runner", None)
-            context = getattr(getattr(runner, "drafter", None), "tree_context", None)
+            drafter = getattr(runner, "drafter", None)
+            context = getattr(drafter, "tree_context", None)
             step = None if context is None else context.step  # taken while drafting, inside orig
             depths = step_depths(step, runner.input_batch.req_ids) if step is not None else None
+            clover = getattr(drafter, "is_clover", False)
+            if clover:
+                drafter.drafted = None  # set by this step's drafting call, if one runs
             output = orig(self, grammar_output)
             if depths:
-                output = DepthReporter.attach(output, depths)
+                output = DepthReporter.attach(output, DEPTHS_ATTR, dict(depths))
+            if clover and drafter.drafted is False:
+                output = DepthReporter.attach(output, DRAFTED_ATTR, False)
             return output
 
         return sample_tokens
 
     @staticmethod
-    def attach(output: Any, depths: Mapping[str, int]) -> Any:
-        """``output`` with :data:`DEPTHS_ATTR` set (a copy where it is vLLM's shared empty output)."""
+    def attach(output: Any, attr: str, value: Any) -> Any:
+        """``output`` with ``attr`` set (a copy where it is vLLM's shared empty output)."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         if not isinstance(output, ModelRunnerOutput):
@@ -127,7 +142,7 @@ class DepthReporter:
             from copy import copy
 
             output = copy(output)
-        setattr(output, DEPTHS_ATTR, dict(depths))
+        setattr(output, attr, value)
         return output
 
 
@@ -142,6 +157,7 @@ class DepthAccounting:
 
         @functools.wraps(orig)
         def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+            setattr(self, SCHEDULER_DRAFTED, getattr(model_runner_output, DRAFTED_ATTR, True))
             depths = getattr(model_runner_output, DEPTHS_ATTR, None)
             if not depths:
                 return orig(self, scheduler_output, model_runner_output)

@@ -182,6 +182,9 @@ class CloverProposer(MedusaProposer):
         # Wall time of propose_clover (CloverWorkerExtension.clover_timing). On a GPU the
         # clock stops after a synchronize only when VLLM_CLOVER_PROFILE=1 (it stalls the stream).
         self.timing = {"draft_s": 0.0, "calls": 0}
+        # Whether the last drafting call gave any request a draft (None: none ran this step); the
+        # worker marks its output with it so the EngineCore skips the draft fetch (runner_hooks).
+        self.drafted: bool | None = None
         self._sync = os.environ.get("VLLM_CLOVER_PROFILE") == "1" and torch.device(device).type == "cuda"
         # Draft log for tests and debugging (CloverWorkerExtension.clover_record_drafts):
         # None = off; else a list of (req_id, committed token ids, draft token ids).
@@ -312,8 +315,10 @@ class CloverProposer(MedusaProposer):
         if self.adaptive is not None:
             self.adaptive.begin(t0, runner.input_batch.req_ids, scheduler_output, sampled_token_ids)
         try:
-            return self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
-                                 common_attn_metadata, slot_mappings, tree_step)
+            drafts, probs = self._propose(runner, scheduler_output, sampling_metadata, aux_hidden_states,
+                                          common_attn_metadata, slot_mappings, tree_step)
+            self.drafted = any(drafts) if isinstance(drafts, list) else drafts.numel() > 0
+            return drafts, probs
         finally:
             if self._sync:
                 torch.cuda.synchronize()

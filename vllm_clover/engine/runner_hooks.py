@@ -51,6 +51,7 @@ import json
 from typing import Any, Callable
 
 from vllm_clover.engine.frontend import is_clover_vllm_config
+from vllm_clover.engine.metrics import SCHEDULER_DRAFTED
 
 def wrap_init(orig: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(orig)
@@ -221,6 +222,11 @@ def expand_kernel_impl(output: Any, input_val: Any, cu_num_tokens: Any, replace_
 # ``spec_token_ids``, so the RPC changes nothing; skipping it saves ~1 ms per step here
 # (0.92-1.20 ms at batch 32 against 0.05 ms for a post_step without it, measured in the
 # EngineCore on this 2-core CPU), where vanilla's engine makes two RPCs a step.
+#
+# The same holds after a step scheduled with drafts whose proposer drafted nothing (the adaptive
+# tree or chain chose no speculation at this batch): the worker marks its ModelRunnerOutput and
+# the scheduler records the mark (engine/metrics.py, the step report of patch
+# spec-decode-metrics-by-tree-depth, which wraps both ends already), and post_step skips the fetch.
 _LAST_K = "clover_num_spec_tokens_scheduled"
 
 
@@ -239,11 +245,13 @@ def wrap_post_step(orig: Callable[..., None]) -> Callable[..., None]:
     def post_step(self: Any, model_executed: bool) -> None:
         # Only one batch in flight (no batch queue): the last schedule is the step just run.
         if (self.batch_queue is None and is_clover_vllm_config(self.vllm_config)
-                and getattr(self.scheduler, _LAST_K, None) == 0):
+                and (getattr(self.scheduler, _LAST_K, None) == 0
+                     or getattr(self.scheduler, SCHEDULER_DRAFTED, True) is False)):
             return
         orig(self, model_executed)
 
     return post_step
+
 
 
 

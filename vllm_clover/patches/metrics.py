@@ -55,7 +55,8 @@ TREE_DEPTH_METRICS = Patch(
     why=("vLLM's spec-decode counters and per-request metrics take a step's scheduled drafts as its "
          "drafted tokens, a tree's node count; for requests verified as a tree they count its drafted "
          "depth instead, so acceptance rate and per-position counters read as for a chain "
-         "(docs/metrics.md). The worker attaches the depths to the step's output."),
+         "(docs/metrics.md). The worker attaches the depths to the step's output, and whether it drafted "
+         "at all (read by patch engine-no-draft-fetch-when-drafting-off)."),
     upstream=("vllm-project/vllm#18327 (tree attention for speculative decoding: trees will need "
               "per-depth metrics upstream too)"),
     remove_when="vLLM verifies trees itself and reports their metrics by depth",

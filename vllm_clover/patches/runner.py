@@ -362,8 +362,10 @@ ENGINE_DRAFT_FETCH = Patch(
     name="engine-no-draft-fetch-when-drafting-off",
     target="vllm.v1.engine.core.EngineCore.post_step (+ vllm.v1.core.sched.scheduler.Scheduler.schedule)",
     why=("In the EngineCore of a Clover engine, after a step scheduled with no drafts "
-         "(disable_by_batch_size reached), skips the take_draft_token_ids RPC vLLM makes after every "
-         "speculative step: its drafts are empty and already cleared (docs/design-proposer.md)."),
+         "(disable_by_batch_size reached) or whose proposer drafted nothing (the adaptive choice was no "
+         "speculation: the mark of spec-decode-metrics-by-tree-depth's step report), skips the "
+         "take_draft_token_ids RPC vLLM makes after every speculative step: its drafts are empty and "
+         "already cleared (docs/design-proposer.md)."),
     upstream="none known",
     remove_when="vLLM skips the draft fetch itself when the dynamic schedule gives K = 0",
     apply=install_engine_draft_fetch,

@@ -99,8 +99,29 @@ def test_depths_ride_on_the_model_runner_output_through_pickle() -> None:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}, sampled_token_ids=[[5, 6]])
-    assert metrics.DepthReporter.attach(out, {"a": 3}) is out
-    assert getattr(pickle.loads(pickle.dumps(out)), metrics.DEPTHS_ATTR) == {"a": 3}
-    copy = metrics.DepthReporter.attach(EMPTY_MODEL_RUNNER_OUTPUT, {"a": 1})
+    assert metrics.DepthReporter.attach(out, metrics.DEPTHS_ATTR, {"a": 3}) is out
+    metrics.DepthReporter.attach(out, metrics.DRAFTED_ATTR, False)
+    back = pickle.loads(pickle.dumps(out))
+    assert getattr(back, metrics.DEPTHS_ATTR) == {"a": 3} and getattr(back, metrics.DRAFTED_ATTR) is False
+    copy = metrics.DepthReporter.attach(EMPTY_MODEL_RUNNER_OUTPUT, metrics.DEPTHS_ATTR, {"a": 1})
     assert copy is not EMPTY_MODEL_RUNNER_OUTPUT and not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, metrics.DEPTHS_ATTR)
-    assert metrics.DepthReporter.attach(None, {"a": 1}) is None
+    assert metrics.DepthReporter.attach(None, metrics.DEPTHS_ATTR, {"a": 1}) is None
+
+
+def test_scheduler_records_whether_the_step_drafted() -> None:
+    """The scheduler side of the step report records the drafted-nothing mark for the EngineCore's
+    post_step (runner_hooks.wrap_post_step); an unmarked output reads as drafted."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    class Scheduler:
+        def update_from_output(self, scheduler_output, model_runner_output):
+            return model_runner_output.req_ids
+
+    update = metrics.DepthAccounting.wrap_update_from_output(Scheduler.update_from_output)
+    scheduler = Scheduler()
+    marked = metrics.DepthReporter.attach(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}),
+                                          metrics.DRAFTED_ATTR, False)
+    assert update(scheduler, None, marked) == ["a"]
+    assert getattr(scheduler, metrics.SCHEDULER_DRAFTED) is False
+    update(scheduler, None, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+    assert getattr(scheduler, metrics.SCHEDULER_DRAFTED) is True
