@@ -88,6 +88,10 @@ IDLE_MS = 1500.0
 # A step without drafts at each batch size at least this many drafting calls apart measures
 # what plain decoding costs there (AdaptiveTree.probe_plain).
 PLAIN_PROBE_EVERY = 128
+# Drafting steps measured at a batch size before their realised rate may veto speculation there,
+# and the drafting calls a veto lasts before speculation there is tried (and measured) again.
+MIN_DRAFTING_SAMPLES = 4
+VETO_CALLS = 512
 
 
 # ============================================================================ the prior
@@ -258,7 +262,12 @@ class StepClock:
     steps without drafts) and a part each verify row beyond one per request adds (attention over
     the context, tree attention, KV compaction, rejection: ``row_ms[B]``, learnt from drafting
     steps against ``plain_ms``). Both matter: charging plain decoding a drafting step's overhead
-    makes speculation look better the more rows it takes (docs/results/*-adaptive-quiet.md)."""
+    makes speculation look better the more rows it takes (docs/results/*-adaptive-quiet.md).
+
+    It also keeps the realised rate, tokens produced per ms of whole steps, per batch size for
+    plain and for drafting steps (``realised``): what the model predicts, measured. Where drafting
+    has realised less than plain decoding, :meth:`AdaptiveTree.vetoed` turns speculation off at
+    that batch size, whatever the model predicts (docs/adaptive.md, "Measured, not only predicted")."""
 
     ALPHA = 0.1
 
@@ -266,6 +275,8 @@ class StepClock:
         self.plain_ms: dict[int, float] = {}
         self.row_ms: dict[int, float] = {}
         self.draft_ratio = 1.0
+        self.realised: dict[tuple[int, bool], float] = {}  # (batch, drafting) -> tokens per ms
+        self.realised_n: dict[tuple[int, bool], int] = {}  # samples behind each
         self._last: tuple[float, float, bool] | None = None  # (start time s, draft ms, drafting)
 
     @staticmethod
@@ -284,10 +295,12 @@ class StepClock:
         per_row = self._nearest(self.row_ms, batch) or 0.0
         return plain + per_row * np.maximum(np.asarray(rows, dtype=float) - batch, 0.0)
 
-    def tick(self, now: float, batch: int, tokens: int, step_target_ms: float | None) -> None:
+    def tick(self, now: float, batch: int, tokens: int, step_target_ms: float | None,
+             produced: int = 0) -> None:
         """A drafting call starts at ``now`` (s) after a step of ``batch`` requests and ``tokens``
         verify tokens whose target pass the curve prices at ``step_target_ms`` (None: the step had
-        prefill rows or is otherwise not a decode step; not learnt from)."""
+        prefill rows or is otherwise not a decode step; not learnt from), which produced
+        ``produced`` tokens (0: not counted in the realised rate)."""
         if self._last is not None and step_target_ms is not None:
             start, draft_ms, drafting = self._last
             cycle_ms = (now - start) * 1e3
@@ -298,13 +311,30 @@ class StepClock:
             bound = 4 * (step_target_ms + draft_ms) + 20
             if -step_target_ms < sample < (max(bound, IDLE_MS) if drafting else bound):
                 sample = max(sample, 0.0)
+                if produced > 0 and cycle_ms > 0:
+                    key = (batch, drafting)
+                    self._learn(self.realised, key, produced / cycle_ms)
+                    self.realised_n[key] = self.realised_n.get(key, 0) + 1
                 if not drafting:
                     self._learn(self.plain_ms, batch, sample)
                 elif tokens > batch and batch in self.plain_ms:
                     self._learn(self.row_ms, batch, max(sample - self.plain_ms[batch], 0.0) / (tokens - batch))
         self._last = None
 
-    def _learn(self, table: dict[int, float], batch: int, sample: float) -> None:
+    def realised_gain(self, batch: int) -> float | None:
+        """Realised rate of drafting steps over plain steps at exactly ``batch`` (None until plain
+        decoding has one sample there and drafting :data:`MIN_DRAFTING_SAMPLES`)."""
+        plain, drafting = self.realised.get((batch, False)), self.realised.get((batch, True))
+        if plain is None or drafting is None or self.realised_n[(batch, True)] < MIN_DRAFTING_SAMPLES:
+            return None
+        return drafting / plain
+
+    def forget_drafting(self, batch: int) -> None:
+        """Drop the realised drafting rate at ``batch`` (it is measured again when drafting resumes)."""
+        self.realised.pop((batch, True), None)
+        self.realised_n.pop((batch, True), None)
+
+    def _learn(self, table: dict, batch: Any, sample: float) -> None:
         old = table.get(batch)
         table[batch] = sample if old is None else old + self.ALPHA * (sample - old)
 
@@ -380,6 +410,8 @@ class AdaptiveTree:
     chosen: dict[tuple[int, int, int], int] = field(default_factory=dict)
     # Per batch size, the call count at its last plain step taken to measure plain decoding.
     plain_probe: dict[int, int] = field(default_factory=dict)
+    # Per batch size where drafting realised less than plain decoding, the call count of the veto.
+    veto: dict[int, int] = field(default_factory=dict)
     calls: int = 0
     _logged: set = field(default_factory=set)
 
@@ -433,6 +465,24 @@ class AdaptiveTree:
             return False
         self.plain_probe[batch] = self.calls
         self.count(batch, 0, 0)
+        return True
+
+    def vetoed(self, batch: int) -> bool:
+        """Whether drafting steps at ``batch`` have realised fewer tokens per ms than plain steps
+        there (StepClock.realised_gain < 1): then no speculation at ``batch``, however good the
+        model's prediction, for :data:`VETO_CALLS` calls; after that the realised drafting rate
+        is forgotten and measured again if the model chooses to draft."""
+        if self.forced:
+            return False
+        gain = self.clock.realised_gain(batch)
+        if gain is None or gain >= 1.0:
+            self.veto.pop(batch, None)
+            return False
+        since = self.veto.setdefault(batch, self.calls)
+        if self.calls - since >= VETO_CALLS:
+            self.clock.forget_drafting(batch)
+            del self.veto[batch]
+            return False
         return True
 
     def count(self, batch: int, nodes: int, lookup: int) -> None:
@@ -535,7 +585,8 @@ class AdaptiveDrafting:
         batch = len(req_ids)
         decode_only = scheduler_output.total_num_scheduled_tokens == batch + sum(len(v) for v in spec.values())
         target = self.tree.curve.target(scheduler_output.total_num_scheduled_tokens) if decode_only else None
-        self.tree.clock.tick(now, batch, scheduler_output.total_num_scheduled_tokens, target)
+        produced = sum(len(t) for t in sampled_token_ids) if decode_only else 0
+        self.tree.clock.tick(now, batch, scheduler_output.total_num_scheduled_tokens, target, produced)
         self.tree.stats.step()
         for i, req_id in enumerate(req_ids):
             p = self.pending.pop(req_id, None)
@@ -563,7 +614,7 @@ class AdaptiveDrafting:
         shape = OFF
         if lead and tree.probe_plain(batch):
             pass  # OFF: a plain step, measured (StepClock.plain_ms)
-        elif lead and not tree.could_pay(batch):
+        elif lead and (tree.vetoed(batch) or not tree.could_pay(batch)):
             tree.on = False
             tree.count(batch, 0, 0)
         elif lead:

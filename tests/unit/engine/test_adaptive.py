@@ -251,3 +251,37 @@ def test_adaptive_chain_forced_lookup_is_no_drafts():
     assert not tree.choose(1, [0], ["prompt"]).on
     shape = tree.choose(1, [0], ["prompt"])
     assert shape.on and shape.lookup == 0 and shape.tree.num_nodes == 3
+
+
+def _steps(clock: StepClock, start: float, n: int, cycle_ms: float, produced: int, drafting: bool) -> float:
+    """n decode steps of batch 8, each ``cycle_ms`` long and producing ``produced`` tokens."""
+    t = start
+    for _ in range(n):
+        clock.drafted(t, 1.0, 1.0 if drafting else None)
+        t += cycle_ms / 1e3
+        clock.tick(t, 8, 16 if drafting else 8, 20.0, produced)
+    return t
+
+
+def test_realised_rates_veto_drafting_that_loses():
+    """Drafting steps that realise fewer tokens per ms than plain ones veto speculation at that
+    batch size (after MIN_DRAFTING_SAMPLES of them), whatever the model predicts; the veto
+    lapses after VETO_CALLS calls and the drafting rate is measured again. Drafting that wins
+    is never vetoed; forced shapes ignore the veto."""
+    from vllm_clover.engine.adaptive import MIN_DRAFTING_SAMPLES, VETO_CALLS
+
+    tree = chooser(cpu_curve())
+    clock = tree.clock
+    t = _steps(clock, 0.0, 2, 30.0, 8, drafting=False)         # plain: 8 tokens / 30 ms
+    t = _steps(clock, t, MIN_DRAFTING_SAMPLES - 1, 45.0, 10, drafting=True)
+    assert clock.realised_gain(8) is None and not tree.vetoed(8)  # too few drafting samples
+    t = _steps(clock, t, 1, 45.0, 10, drafting=True)           # drafting: 10 tokens / 45 ms
+    assert clock.realised_gain(8) == pytest.approx((10 / 45) / (8 / 30))
+    assert tree.vetoed(8) and not tree.vetoed(4)
+    tree.forced = [(2, 0)]
+    assert not tree.vetoed(8)
+    tree.forced = []
+    tree.calls += VETO_CALLS
+    assert not tree.vetoed(8) and clock.realised_gain(8) is None  # lapsed: measured again
+    _steps(clock, t, MIN_DRAFTING_SAMPLES, 30.0, 14, drafting=True)
+    assert clock.realised_gain(8) > 1 and not tree.vetoed(8)
