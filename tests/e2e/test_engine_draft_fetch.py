@@ -31,16 +31,7 @@ def test_no_draft_fetch_while_drafting_is_off(monkeypatch: pytest.MonkeyPatch, d
               speculative_config={"method": "clover", "model": str(clover_ckpt_dir),
                                   "num_speculative_tokens": 2, "disable_by_batch_size": 2})
     try:
-        core = llm.llm_engine.engine_core.engine_core
-        executor = core.model_executor
-        calls: list[int] = []
-        fetch = executor.take_draft_token_ids
-
-        def counted_fetch():
-            calls.append(1)
-            return fetch()
-
-        monkeypatch.setattr(executor, "take_draft_token_ids", counted_fetch)
+        core, calls = _count_fetches(monkeypatch, llm)
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
                    "List three colours:"]
@@ -78,16 +69,7 @@ def test_no_draft_fetch_after_steps_that_drafted_nothing(monkeypatch: pytest.Mon
               speculative_config={"method": "clover", "model": str(clover_ckpt_dir), "adaptive_chain": True},
               worker_extension_cls="vllm_clover.engine.runner_hooks.CloverWorkerExtension")
     try:
-        core = llm.llm_engine.engine_core.engine_core
-        executor = core.model_executor
-        calls: list[int] = []
-        fetch = executor.take_draft_token_ids
-
-        def counted_fetch():
-            calls.append(1)
-            return fetch()
-
-        monkeypatch.setattr(executor, "take_draft_token_ids", counted_fetch)
+        core, calls = _count_fetches(monkeypatch, llm)
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         llm.collective_rpc("clover_adaptive_force", args=([(0, 0)],))
         out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
@@ -101,6 +83,21 @@ def test_no_draft_fetch_after_steps_that_drafted_nothing(monkeypatch: pytest.Mon
         assert len(calls) >= 12 // 3 and after[1] > before[1]
     finally:
         shutdown_llm(llm)
+
+
+def _count_fetches(monkeypatch: pytest.MonkeyPatch, llm) -> tuple[object, list[int]]:
+    """The in-process EngineCore of ``llm`` and a list that grows by one per draft fetch it makes."""
+    core = llm.llm_engine.engine_core.engine_core
+    executor = core.model_executor
+    calls: list[int] = []
+    fetch = executor.take_draft_token_ids
+
+    def counted_fetch():
+        calls.append(1)
+        return fetch()
+
+    monkeypatch.setattr(executor, "take_draft_token_ids", counted_fetch)
+    return core, calls
 
 
 def _accepted_and_drafts(llm) -> tuple[int, int]:

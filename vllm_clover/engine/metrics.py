@@ -40,7 +40,7 @@ its draft fetch (patch ``engine-no-draft-fetch-when-drafting-off``, runner_hooks
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 # Attribute of a ModelRunnerOutput that carries {request id: drafted depth} of its tree requests.
 DEPTHS_ATTR = "clover_tree_depths"
