@@ -275,8 +275,8 @@ class StepClock:
         self.plain_ms: dict[int, float] = {}
         self.row_ms: dict[int, float] = {}
         self.draft_ratio = 1.0
-        self.realised: dict[tuple[int, bool], float] = {}  # (batch, drafting) -> tokens per ms
-        self.realised_n: dict[tuple[int, bool], int] = {}  # samples behind each
+        # (batch, drafting) -> (tokens per ms, running mean; samples behind it)
+        self.realised: dict[tuple[int, bool], tuple[float, int]] = {}
         self._last: tuple[float, float, bool] | None = None  # (start time s, draft ms, drafting)
 
     @staticmethod
@@ -312,9 +312,9 @@ class StepClock:
             if -step_target_ms < sample < (max(bound, IDLE_MS) if drafting else bound):
                 sample = max(sample, 0.0)
                 if produced > 0 and cycle_ms > 0:
-                    key = (batch, drafting)
-                    self._learn(self.realised, key, produced / cycle_ms)
-                    self.realised_n[key] = self.realised_n.get(key, 0) + 1
+                    key, rate = (batch, drafting), produced / cycle_ms
+                    old, n = self.realised.get(key, (rate, 0))
+                    self.realised[key] = (old + self.ALPHA * (rate - old), n + 1)
                 if not drafting:
                     self._learn(self.plain_ms, batch, sample)
                 elif tokens > batch and batch in self.plain_ms:
@@ -325,14 +325,13 @@ class StepClock:
         """Realised rate of drafting steps over plain steps at exactly ``batch`` (None until plain
         decoding has one sample there and drafting :data:`MIN_DRAFTING_SAMPLES`)."""
         plain, drafting = self.realised.get((batch, False)), self.realised.get((batch, True))
-        if plain is None or drafting is None or self.realised_n[(batch, True)] < MIN_DRAFTING_SAMPLES:
+        if plain is None or drafting is None or drafting[1] < MIN_DRAFTING_SAMPLES:
             return None
-        return drafting / plain
+        return drafting[0] / plain[0]
 
     def forget_drafting(self, batch: int) -> None:
         """Drop the realised drafting rate at ``batch`` (it is measured again when drafting resumes)."""
         self.realised.pop((batch, True), None)
-        self.realised_n.pop((batch, True), None)
 
     def _learn(self, table: dict, batch: Any, sample: float) -> None:
         old = table.get(batch)
