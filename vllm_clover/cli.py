@@ -247,8 +247,9 @@ def _add_corpus_parser(sub) -> None:
     p.add_argument("--selfdistill", type=int, default=0, metavar="N",
                    help="also add the target's own answers to the first turns of the first N "
                         "training conversations (generated with vLLM and cached)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N training conversations' dataset answers (0 with "
-                                                       "--selfdistill: the self-distilled answers alone)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N training conversations' dataset answers "
+                        "(0 with --selfdistill: the self-distilled answers alone)")
     p.set_defaults(func=_cmd_corpus)
 
 

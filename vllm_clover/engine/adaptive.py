@@ -275,7 +275,7 @@ class StepClock:
         self.plain_ms: dict[int, float] = {}
         self.row_ms: dict[int, float] = {}
         self.draft_ratio = 1.0
-        # (batch, drafting) -> (tokens per ms, running mean; samples behind it)
+        # (batch, drafting) -> (running mean of tokens per ms, samples behind it)
         self.realised: dict[tuple[int, bool], tuple[float, int]] = {}
         self._last: tuple[float, float, bool] | None = None  # (start time s, draft ms, drafting)
 
@@ -312,9 +312,9 @@ class StepClock:
             if -step_target_ms < sample < (max(bound, IDLE_MS) if drafting else bound):
                 sample = max(sample, 0.0)
                 if produced > 0 and cycle_ms > 0:
-                    key, rate = (batch, drafting), produced / cycle_ms
-                    old, n = self.realised.get(key, (rate, 0))
-                    self.realised[key] = (old + self.ALPHA * (rate - old), n + 1)
+                    key = (batch, drafting)
+                    old, n = self.realised.get(key, (None, 0))
+                    self.realised[key] = (self._mean(old, produced / cycle_ms), n + 1)
                 if not drafting:
                     self._learn(self.plain_ms, batch, sample)
                 elif tokens > batch and batch in self.plain_ms:
@@ -334,8 +334,11 @@ class StepClock:
         self.realised.pop((batch, True), None)
 
     def _learn(self, table: dict, batch: Any, sample: float) -> None:
-        old = table.get(batch)
-        table[batch] = sample if old is None else old + self.ALPHA * (sample - old)
+        table[batch] = self._mean(table.get(batch), sample)
+
+    def _mean(self, old: float | None, sample: float) -> float:
+        """The running mean after ``sample`` (the sample itself when there is none yet)."""
+        return sample if old is None else old + self.ALPHA * (sample - old)
 
     def drafted(self, start: float, draft_ms: float, predicted_ms: float | None) -> None:
         """The drafting call that began at ``start`` took ``draft_ms``; ``predicted_ms``: what
